@@ -1,0 +1,190 @@
+"""CPU memory: glibc heap counters (cheap default) and a storage-counting dispatch mode (exact).
+
+``MallinfoBackend`` reads glibc's ``mallinfo2()``: every C allocation of the process, tensor
+storages, autograd nodes and saved variables included, in about 0.3 microseconds a call.
+PyTorch's CPU allocator takes tensor storages from ``malloc``, so a tensor's bytes appear
+there to within malloc's rounding (a few dozen bytes, one page for mmapped blocks).
+Python's own small objects live in pymalloc arenas and are not counted.
+
+``StorageBackend`` (``track(exact=True)``, and the fallback where glibc is absent) sees
+every ATen op through a ``TorchDispatchMode`` and counts each new tensor storage once, views
+included, until the storage is freed. It knows the true peak inside ops, at a cost of
+about 1.2x on a training step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_MALLINFO2_FIELDS = (
+    "arena",
+    "ordblks",
+    "smblks",
+    "hblks",
+    "hblkhd",
+    "usmblks",
+    "fsmblks",
+    "uordblks",
+    "fordblks",
+    "keepcost",
+)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+
+def _load_mallinfo2() -> tuple[Any, str | None]:
+    """Return glibc's ``mallinfo2`` function, or ``None`` and the reason it is unavailable."""
+    try:
+        libc = ctypes.CDLL(None)
+        func = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None, "glibc mallinfo2() is not available (glibc >= 2.33 on Linux is needed)"
+    func.restype = _Mallinfo2
+    func.argtypes = []
+    return func, None
+
+
+_MALLINFO2, MALLINFO2_UNAVAILABLE = _load_mallinfo2()
+
+
+def physical_memory() -> int | None:
+    """Total physical RAM in bytes, or ``None`` where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class MallinfoBackend:
+    """Sampled CPU backend: allocated = in-use heap bytes + mmapped chunks (glibc counters)."""
+
+    name = "cpu-mallinfo2"
+    peak_mode = "sampled"
+    notes: tuple[str, ...] = (
+        "CPU figures come from glibc mallinfo2(): all C allocations of the process, "
+        "sampled at module, saved-tensor and iteration boundaries (peaks are lower bounds).",
+    )
+
+    def __init__(self) -> None:
+        if _MALLINFO2 is None:
+            raise RuntimeError(MALLINFO2_UNAVAILABLE)
+        self.device = torch.device("cpu")
+        self._mallinfo2 = _MALLINFO2
+
+    def sample(self) -> tuple[int, int | None]:
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd, None
+
+    def allocated(self) -> int:
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def reserved(self) -> int | None:
+        info = self._mallinfo2()
+        return info.arena + info.hblkhd
+
+    def peak_since_last_read(self) -> int | None:
+        return None
+
+    def total_memory(self) -> int | None:
+        return physical_memory()
+
+    def stats(self) -> dict[str, Any]:
+        info = self._mallinfo2()
+        return {name: int(getattr(info, name)) for name in _MALLINFO2_FIELDS}
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts the bytes of tensor storages created by ops while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                self._see(leaf)
+        return out
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return
+        key = storage.data_ptr()
+        if key == 0 or key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = size
+        self.current += size
+        if self.current > self.peak:
+            self.peak = self.current
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+class StorageBackend:
+    """Exact CPU backend: every tensor storage created while tracking, counted once."""
+
+    name = "cpu-storages"
+    peak_mode = "exact"
+    notes: tuple[str, ...] = (
+        "CPU figures count tensor storages created while tracking (a dispatch mode sees "
+        "every op); storages that existed before tracking began are the baseline.",
+    )
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._counter = _StorageCounter()
+        self._active = False
+
+    def sample(self) -> tuple[int, int | None]:
+        return self._counter.current, self.peak_since_last_read()
+
+    def allocated(self) -> int:
+        return self._counter.current
+
+    def reserved(self) -> int | None:
+        return None
+
+    def peak_since_last_read(self) -> int | None:
+        peak = self._counter.peak
+        self._counter.peak = self._counter.current
+        return peak
+
+    def total_memory(self) -> int | None:
+        return physical_memory()
+
+    def stats(self) -> dict[str, Any]:
+        return {"live_storages": len(self._counter.live), "current": self._counter.current}
+
+    def start(self) -> None:
+        if not self._active:
+            self._counter.__enter__()
+            self._active = True
+
+    def stop(self) -> None:
+        if self._active:
+            self._counter.__exit__(None, None, None)
+            self._active = False

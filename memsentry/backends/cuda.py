@@ -1,0 +1,101 @@
+"""CUDA memory: the caching allocator's own counters, per device.
+
+Reading ``torch.cuda.memory_allocated()`` builds and flattens the whole statistics dict in
+Python; the hook hot path reads the nested dict from ``torch._C._cuda_memoryStats`` once per
+sample instead, and falls back to the public functions where that binding is missing.
+
+Peaks: by default the backend never resets the allocator's peak counter, so what users
+read from ``torch.cuda.max_memory_allocated()`` stays theirs. It reports a peak for an
+interval only when the counter rose during it (a new high: exact); otherwise the tracker's
+samples give a lower bound. ``exact=True`` resets the counter at every sample to get every
+interval's true peak, and then ``torch.cuda.max_memory_allocated()`` only reflects the time
+since memsentry's last sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CudaBackend:
+    """Allocated, reserved and peak bytes of one CUDA device from the caching allocator."""
+
+    name = "cuda-caching-allocator"
+
+    def __init__(self, device: torch.device, *, exact: bool = False) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self._index = index
+        self._exact = exact
+        self.peak_mode = "exact" if exact else "sampled"
+        if exact:
+            self.notes: tuple[str, ...] = (
+                "CUDA peaks are exact: memsentry reset the allocator's peak counter at every "
+                "hook, so torch.cuda.max_memory_allocated() now reads from its last sample.",
+            )
+        else:
+            self.notes = (
+                "CUDA peaks use the allocator's peak counter when it rose, else samples taken "
+                "at hooks (lower bounds); torch.cuda.max_memory_allocated() is left untouched.",
+            )
+        raw = getattr(torch._C, "_cuda_memoryStats", None)
+        self._raw_stats = raw
+        self._last_peak = self._read()[2]
+
+    def _read(self) -> tuple[int, int, int]:
+        """(allocated, reserved, peak allocated) in one allocator call."""
+        if self._raw_stats is not None:
+            nested = self._raw_stats(self._index)
+            return (
+                int(nested["allocated_bytes"]["all"]["current"]),
+                int(nested["reserved_bytes"]["all"]["current"]),
+                int(nested["allocated_bytes"]["all"]["peak"]),
+            )
+        return (
+            torch.cuda.memory_allocated(self._index),
+            torch.cuda.memory_reserved(self._index),
+            torch.cuda.max_memory_allocated(self._index),
+        )
+
+    def sample(self) -> tuple[int, int | None]:
+        allocated, _, peak = self._read()
+        return allocated, self._interval_peak(peak)
+
+    def allocated(self) -> int:
+        if self._raw_stats is not None:
+            return int(self._raw_stats(self._index)["allocated_bytes"]["all"]["current"])
+        return torch.cuda.memory_allocated(self._index)
+
+    def reserved(self) -> int | None:
+        return torch.cuda.memory_reserved(self._index)
+
+    def peak_since_last_read(self) -> int | None:
+        return self._interval_peak(self._read()[2])
+
+    def _interval_peak(self, peak: int) -> int | None:
+        if self._exact:
+            torch.cuda.reset_peak_memory_stats(self._index)
+            return peak
+        if peak > self._last_peak:
+            self._last_peak = peak
+            return peak
+        return None
+
+    def total_memory(self) -> int | None:
+        return int(torch.cuda.get_device_properties(self._index).total_memory)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(torch.cuda.memory_stats(self._index))
+
+    def summary(self) -> str:
+        return torch.cuda.memory_summary(self._index, abbreviated=True)
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None

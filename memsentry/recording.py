@@ -1,0 +1,205 @@
+"""The mutable side of tracking: per-layer accumulators, layer names and the iteration timeline.
+
+This is the only module whose objects change while a loop runs. It holds no tensor and no
+module strongly: modules are looked up through a ``WeakKeyDictionary``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memsentry.report import IterationStats, LayerStats
+
+MAX_LAYERS = 5000
+OVERFLOW_LAYER = "<other modules>"
+
+
+def _max(current: int | None, value: int) -> int:
+    return value if current is None or value > current else current
+
+
+@dataclass(eq=False)
+class LayerRecord:
+    """Running figures of one layer; the worst forward (and backward) call is kept."""
+
+    name: str
+    type: str
+    depth: int
+    param_bytes: int
+    calls: int = 0
+    output_bytes: int | None = None
+    saved_bytes: int | None = None
+    forward_delta: int | None = None
+    forward_peak: int | None = None
+    backward_delta: int | None = None
+    backward_peak: int | None = None
+    backward_calls: int = 0
+    is_leaf: bool = True
+
+    def add_forward(self, delta: int, peak: int, output: int, saved: int) -> None:
+        """Fold in one forward call. The first call's deltas and peaks carry one-time set-up
+        (thread pools, kernels' workspaces, lazily created buffers), so from the second call
+        on they are replaced by the worst of the later calls."""
+        self.calls += 1
+        if self.calls == 2:
+            self.forward_delta = self.forward_peak = None
+        self.forward_delta = _max(self.forward_delta, delta)
+        self.forward_peak = _max(self.forward_peak, peak)
+        self.output_bytes = _max(self.output_bytes, output)
+        self.saved_bytes = _max(self.saved_bytes, saved)
+
+    def add_backward(self, delta: int, peak: int) -> None:
+        """Fold in one backward; as for the forward, the first is dropped once a second ran."""
+        self.backward_calls += 1
+        if self.backward_calls == 2:
+            self.backward_delta = self.backward_peak = None
+        self.backward_delta = _max(self.backward_delta, delta)
+        self.backward_peak = _max(self.backward_peak, peak)
+
+    def freeze(self) -> LayerStats:
+        return LayerStats(
+            name=self.name,
+            type=self.type,
+            depth=self.depth,
+            calls=self.calls,
+            param_bytes=self.param_bytes,
+            output_bytes=self.output_bytes,
+            saved_bytes=self.saved_bytes,
+            forward_delta=self.forward_delta,
+            forward_peak=self.forward_peak,
+            backward_delta=self.backward_delta,
+            backward_peak=self.backward_peak,
+            backward_calls=self.backward_calls,
+            is_leaf=self.is_leaf,
+        )
+
+
+def storage_bytes(tensors: list[torch.Tensor], seen: dict[int, int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
+
+    ``seen`` (storage pointer -> bytes) is updated when given, so callers can de-duplicate
+    across several calls.
+    """
+    seen = {} if seen is None else seen
+    total = 0
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less tensors
+            continue
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        size = storage.nbytes()
+        seen[key] = size
+        total += size
+    return total
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return storage_bytes(list(module.parameters()))
+
+
+class LayerRegistry:
+    """Names modules and owns their records, in first-call order.
+
+    With a model, names are those of ``model.named_modules()`` (the root is called by its
+    class name). Without one, the first module called with no tracked module running is a
+    root: it is named by its class and its submodules relative to it; a module called inside
+    another that is not its submodule is named ``parent.<Type>``. Names are made unique
+    with ``#2``, ``#3``.
+    """
+
+    def __init__(self) -> None:
+        self._names: weakref.WeakKeyDictionary[nn.Module, tuple[str, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._by_module: weakref.WeakKeyDictionary[nn.Module, LayerRecord] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.records: dict[str, LayerRecord] = {}
+        self._taken: set[str] = set()
+        self.static_storages: set[int] = set()
+
+    def _unique(self, name: str) -> str:
+        if name not in self._taken:
+            self._taken.add(name)
+            return name
+        k = 2
+        while f"{name}#{k}" in self._taken:
+            k += 1
+        self._taken.add(f"{name}#{k}")
+        return f"{name}#{k}"
+
+    def name_tree(self, root: nn.Module) -> None:
+        """Give ``root`` and its submodules names (those already named keep theirs)."""
+        for qualified, module in root.named_modules():
+            if module in self._names:
+                continue
+            depth = qualified.count(".") + 1 if qualified else 0
+            self._names[module] = (self._unique(qualified or type(root).__name__), depth)
+
+    def record_for(self, module: nn.Module, parent: LayerRecord | None) -> LayerRecord:
+        """The record of ``module``, created (and named, if needed) on its first call."""
+        record = self._by_module.get(module)
+        if record is not None:
+            return record
+        named = self._names.get(module)
+        if named is None:
+            if parent is None:
+                self.name_tree(module)
+                named = self._names[module]
+            else:
+                named = (self._unique(f"{parent.name}.<{type(module).__name__}>"), parent.depth + 1)
+                self._names[module] = named
+        name, depth = named
+        if len(self.records) >= MAX_LAYERS:
+            record = self.records.get(OVERFLOW_LAYER)
+            if record is None:
+                record = LayerRecord(OVERFLOW_LAYER, "various", 1, 0)
+                self.records[OVERFLOW_LAYER] = record
+            self._by_module[module] = record
+            return record
+        record = LayerRecord(name, type(module).__name__, depth, _param_bytes(module))
+        for tensor in (*module.parameters(), *module.buffers()):
+            try:
+                self.static_storages.add(tensor.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+        self.records[name] = record
+        self._by_module[module] = record
+        return record
+
+    def freeze(self) -> tuple[LayerStats, ...]:
+        return tuple(record.freeze() for record in self.records.values() if record.calls)
+
+    def clear_modules(self) -> None:
+        """Forget every module (names and records stay), so nothing refers to them."""
+        self._names = weakref.WeakKeyDictionary()
+        self._by_module = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Timeline:
+    """Per-iteration records, bounded: past ``capacity`` every other record is dropped, and
+    from then on only every ``stride``-th iteration is kept, so a long run costs fixed memory."""
+
+    capacity: int = 10_000
+    items: list[IterationStats] = field(default_factory=list)
+    stride: int = 1
+    dropped: int = 0
+
+    def add(self, item: IterationStats) -> None:
+        if item.index % self.stride:
+            self.dropped += 1
+            return
+        self.items.append(item)
+        if len(self.items) > self.capacity:
+            self.stride *= 2
+            kept = [it for it in self.items if it.index % self.stride == 0]
+            self.dropped += len(self.items) - len(kept)
+            self.items = kept

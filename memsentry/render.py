@@ -1,0 +1,200 @@
+"""Text rendering of a :class:`~memsentry.Report`: pure formatting, no measuring."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from tabulate import DataRow, Line, TableFormat, tabulate
+
+from memsentry.report import IterationStats, LayerStats, Report
+from memsentry.units import format_bytes
+
+# Two header lines, rendered as the first rows so that columns are only as wide as their cells
+# (tabulate widens every real header by two characters); ten columns then fit 100 characters.
+_LAYER_HEADERS = (
+    ("", "", "", "", "", "", "fwd", "fwd", "bwd", "bwd"),
+    ("layer", "type", "calls", "params", "output", "saved", "Δ", "peak", "Δ", "peak"),
+)
+_NARROW = TableFormat(
+    lineabove=None,
+    linebelowheader=None,
+    linebetweenrows=None,
+    linebelow=None,
+    headerrow=DataRow("", " ", ""),
+    datarow=DataRow("", " ", ""),
+    padding=0,
+    with_header_hide=None,
+)
+_ITER_HEADERS = ("iter", "allocated", "vs start", "peak", "reserved", "time")
+_MIN_NAME = 12
+
+
+def _fit(text: str, width: int, *, keep_end: bool = True) -> str:
+    """Shorten ``text`` to ``width`` characters with an ellipsis (keeping its end by default)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    return "…" + text[-(width - 1):] if keep_end else text[: width - 1] + "…"
+
+
+def footprint(layer: LayerStats) -> int:
+    """What a layer costs at its worst: the larger of its forward peak and its saved bytes."""
+    return max(layer.forward_peak or 0, layer.saved_bytes or 0, layer.backward_peak or 0)
+
+
+def select_layers(
+    layers: Sequence[LayerStats], *, max_depth: int | None, top: int | None
+) -> list[LayerStats]:
+    """Layers no deeper than ``max_depth``; when more than ``top`` remain, the ``top`` with the
+    largest footprint, kept in call order."""
+    shown = [layer for layer in layers if max_depth is None or layer.depth <= max_depth]
+    if top is not None and len(shown) > top:
+        keep = set(map(id, sorted(shown, key=footprint, reverse=True)[:top]))
+        shown = [layer for layer in shown if id(layer) in keep]
+    return shown
+
+
+def _cell(value: int | None) -> str:
+    return format_bytes(value, compact=True)
+
+
+def _layer_row(layer: LayerStats) -> list[str]:
+    return [
+        layer.name,
+        layer.type,
+        str(layer.calls),
+        _cell(layer.param_bytes),
+        _cell(layer.output_bytes),
+        _cell(layer.saved_bytes),
+        _cell(layer.forward_delta),
+        _cell(layer.forward_peak),
+        _cell(layer.backward_delta),
+        _cell(layer.backward_peak),
+    ]
+
+
+def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
+    """Sums over leaf layers (containers would count their children twice)."""
+    leaves = [layer for layer in layers if layer.is_leaf]
+
+    def total(attr: str) -> str:
+        values = [getattr(layer, attr) for layer in leaves if getattr(layer, attr) is not None]
+        return _cell(sum(values)) if values else "-"
+
+    return ["total (leaf layers)", "", "",
+            total("param_bytes"), total("output_bytes"), total("saved_bytes"),
+            "", "", "", ""]
+
+
+def render_layers(report: Report, *, max_depth: int | None, top: int | None, width: int) -> str:
+    """The per-layer table, fitted to ``width`` characters."""
+    if not report.layers:
+        return "Layers: no module forward ran while tracking."
+    shown = select_layers(report.layers, max_depth=max_depth, top=top)
+    rows = [_layer_row(layer) for layer in shown]
+    rows.append(_totals_row(report.layers))
+    # Fit to the width: every column but the name keeps its size, the name gets what is left.
+    every = [*_LAYER_HEADERS, *rows]
+    widths = [max(len(row[i]) for row in every) for i in range(len(_LAYER_HEADERS[0]))]
+    widths[1] = min(widths[1], 12)
+    widths[0] = max(_MIN_NAME, min(widths[0], width - sum(widths[1:]) - (len(widths) - 1)))
+    for row in rows:
+        row[0] = _fit(row[0], widths[0])
+        row[1] = _fit(row[1], widths[1], keep_end=False)
+    rule = ["-" * w for w in widths]
+    hidden = len(report.layers) - len(shown)
+    title = "Layers (bytes per call: the worst call after the first, which carries one-time set-up"
+    if hidden:
+        limits = []
+        if max_depth is not None:
+            limits.append(f"depth <= {max_depth}")
+        if top is not None:
+            limits.append(f"top {top} by footprint")
+        title += f"; {len(shown)} of {len(report.layers)} shown: {', '.join(limits)}"
+    title += ")"
+    table = tabulate([*map(list, _LAYER_HEADERS), rule, *rows], tablefmt=_NARROW,
+                     colalign=("left", "left") + ("right",) * 8, disable_numparse=True)
+    return f"{title}\n{table}"
+
+
+def growth_per_iteration(iterations: Sequence[IterationStats], warmup: int = 1) -> float | None:
+    """Least-squares slope of allocated bytes over complete iterations after ``warmup``."""
+    points = [(it.index, it.allocated) for it in iterations if it.boundary != "exit"][warmup:]
+    if len(points) < 3:
+        return None
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    return statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else None
+
+
+def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
+    its = report.iterations
+    if not its:
+        return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
+    shown: list[IterationStats | None] = list(its)
+    if len(its) > rows_at_most:
+        head = rows_at_most // 3
+        shown = [*its[:head], None, *its[-(rows_at_most - head):]]
+    rows = []
+    for it in shown:
+        if it is None:
+            rows.append(["…", "", "", "", "", ""])
+            continue
+        label = f"{it.index}" + (" (end)" if it.boundary == "exit" else "")
+        rows.append([label, format_bytes(it.allocated),
+                     format_bytes(it.allocated - report.baseline, signed=True),
+                     format_bytes(it.peak), format_bytes(it.reserved),
+                     f"{it.seconds * 1000:.1f} ms"])
+    table = tabulate(rows, headers=_ITER_HEADERS, tablefmt="simple",
+                     colalign=("right",) * 6, disable_numparse=True)
+    lines = [f"Iterations ({len(its)} recorded"
+             + (f", {report.dropped_iterations} thinned out" if report.dropped_iterations else "")
+             + "; allocated at each boundary, peak inside)", table]
+    complete = [it for it in its if it.boundary != "exit"]
+    if complete:
+        median_s = statistics.median(it.seconds for it in complete)
+        summary = f"median iteration {median_s * 1000:.1f} ms"
+        slope = growth_per_iteration(its)
+        if slope is not None:
+            summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
+            summary += " after the first iteration"
+        lines.append(summary)
+    return "\n".join(lines)
+
+
+def render_findings(report: Report) -> str:
+    lines = [f"Findings ({len(report.findings)})"]
+    for finding in report.findings:
+        where = f" [{finding.where}]" if finding.where else ""
+        lines.append(f"  {str(finding.severity).upper():5} {finding.rule}{where}: {finding.message}")
+        lines.append(f"        fix: {finding.fix}")
+    return "\n".join(lines)
+
+
+def render_header(report: Report) -> str:
+    parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"]
+    figures = [f"at start {format_bytes(report.baseline)}"]
+    if report.allocated is not None:
+        change = format_bytes(report.allocated - report.baseline, signed=True)
+        figures.append(f"now {format_bytes(report.allocated)} ({change})")
+    if report.peak is not None:
+        figures.append(f"peak {format_bytes(report.peak)}")
+    if report.total_memory:
+        figures.append(f"of {format_bytes(report.total_memory)}")
+    parts.append("allocated " + ", ".join(figures))
+    return "\n".join(parts)
+
+
+def render_text(report: Report, *, max_depth: int | None = None, top: int | None = 30,
+                width: int = 100) -> str:
+    """The whole text report: header, findings, layers, iterations, notes."""
+    sections = [render_header(report)]
+    if report.findings:
+        sections.append(render_findings(report))
+    sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
+    sections.append(render_iterations(report))
+    if report.notes:
+        sections.append("\n".join(f"note: {note}" for note in report.notes))
+    return "\n\n".join(sections)

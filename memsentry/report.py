@@ -1,0 +1,178 @@
+"""The values a tracker produces: frozen records of layers, iterations and findings.
+
+Nothing here measures or prints. A :class:`Report` is a finished, immutable picture that
+renderers (text, JSON) and the analysis rules read.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class Severity(str, enum.Enum):
+    """How bad a finding is: LEAK grows without bound, WASTE raises the peak, HINT is advice."""
+
+    LEAK = "leak"
+    WASTE = "waste"
+    HINT = "hint"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One verdict of the heuristics engine: what was seen, who holds it, how to fix it."""
+
+    rule: str
+    severity: Severity
+    message: str
+    fix: str
+    bytes: int | None = None
+    rate: float | None = None
+    where: str | None = None
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Memory figures of one module, per forward call, the largest call seen.
+
+    All sizes are bytes; ``None`` means the figure was not measured (for instance the
+    backward figures of a layer whose forward ran without autograd).
+
+    - ``param_bytes``: parameters of the module and its children (shared ones counted once).
+    - ``output_bytes``: storage of the tensors the forward returned, each storage once.
+    - ``saved_bytes``: activation memory saved for backward by ops run inside the forward,
+      excluding parameters and buffers (they are not new memory).
+    - ``forward_delta``: allocated after the forward minus allocated before it.
+    - ``forward_peak``: highest allocated during the forward minus allocated before it.
+    - ``backward_delta`` / ``backward_peak``: the same around the module's backward.
+    """
+
+    name: str
+    type: str
+    depth: int
+    calls: int
+    param_bytes: int
+    output_bytes: int | None
+    saved_bytes: int | None
+    forward_delta: int | None
+    forward_peak: int | None
+    backward_delta: int | None = None
+    backward_peak: int | None = None
+    backward_calls: int = 0
+    is_leaf: bool = True
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One iteration of the loop: from one boundary (optimizer step or ``t.step()``) to the next.
+
+    ``allocated`` and ``reserved`` are read at the closing boundary; ``peak`` is the highest
+    allocated seen inside the iteration; ``boundary`` says what closed it: ``"optimizer"``,
+    ``"step"`` (``t.step()``) or ``"exit"`` (the end of the ``with`` block, a partial iteration).
+    """
+
+    index: int
+    allocated: int
+    reserved: int | None
+    peak: int
+    seconds: float
+    boundary: str = "step"
+    forward_calls: int = 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything one ``track()`` block recorded, frozen.
+
+    ``baseline`` is the allocated memory when tracking began (parameters, buffers and every
+    tensor created before are part of it, not growth). ``peak_mode`` says how peaks were
+    measured: ``"sampled"`` (at module and saved-tensor boundaries; a lower bound of the true
+    peak) or ``"exact"`` (every allocation counted).
+    """
+
+    device: str
+    backend: str
+    baseline: int
+    layers: tuple[LayerStats, ...] = ()
+    iterations: tuple[IterationStats, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    peak: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    total_memory: int | None = None
+    peak_mode: str = "sampled"
+    notes: tuple[str, ...] = ()
+    dropped_iterations: int = 0
+    torch_version: str = ""
+
+    # -- lookups -------------------------------------------------------------------------
+    def layer(self, name: str) -> LayerStats:
+        """The :class:`LayerStats` called ``name``; ``KeyError`` lists close names if absent."""
+        for stats in self.layers:
+            if stats.name == name:
+                return stats
+        known = ", ".join(repr(s.name) for s in self.layers[:12])
+        more = "" if len(self.layers) <= 12 else f" and {len(self.layers) - 12} more"
+        raise KeyError(f"no layer named {name!r}; recorded layers: {known or 'none'}{more}")
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (plain ints, floats, strings, lists) with a ``schema`` version."""
+        data = asdict(self)
+        data["schema"] = SCHEMA_VERSION
+        for finding in data["findings"]:
+            finding["severity"] = str(finding["severity"].value)
+        for key in ("layers", "iterations", "findings", "notes"):
+            data[key] = list(data[key])
+        return data
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
+        """Serialise to JSON; also write it to ``path`` when one is given. Returns the text."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """Rebuild a report written by :meth:`to_dict` (or read back from :meth:`to_json`)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["layers"] = tuple(LayerStats(**d) for d in data.get("layers", ()))
+        values["iterations"] = tuple(IterationStats(**d) for d in data.get("iterations", ()))
+        values["findings"] = tuple(
+            Finding(**{**d, "severity": Severity(d["severity"])}) for d in data.get("findings", ())
+        )
+        values["notes"] = tuple(data.get("notes", ()))
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Report:
+        """Read a report saved with :meth:`to_json`."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+    # -- text ----------------------------------------------------------------------------
+    def format(self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100) -> str:
+        """The text report: findings, the per-layer table and the iteration summary.
+
+        ``max_depth`` hides layers nested deeper (the root is depth 0), ``top`` keeps the
+        layers with the largest activation footprint (in call order), ``width`` is the
+        terminal width the table is fitted to. ``None`` turns a limit off.
+        """
+        from memsentry.render import render_text
+
+        return render_text(self, max_depth=max_depth, top=top, width=width)
+
+    def __str__(self) -> str:
+        return self.format()
+

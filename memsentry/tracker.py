@@ -1,0 +1,476 @@
+"""``memsentry.track()``: hooks that record memory around every layer and iteration.
+
+Forward pre/post hooks sample the backend around each module call; a saved-tensor hook
+attributes bytes saved for backward to the module whose forward saved them; gradient hooks on
+a module's outputs and inputs bracket its backward; optimizer step hooks (or ``t.step()``)
+close iterations. Nothing here keeps a module or a tensor alive, and nothing changes what the
+model computes.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
+
+from memsentry.backends import device_of_module, make_backend, parse_device
+from memsentry.backends.base import MemoryBackend
+from memsentry.errors import TrackerStateError
+from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
+from memsentry.report import IterationStats, Report
+
+
+@dataclass(eq=False)
+class _Frame:
+    """One module call in progress (forward), or one module's backward in progress."""
+
+    record: LayerRecord
+    start: int
+    peak: int
+    saved: dict[int, int] = field(default_factory=dict)
+    saved_bytes: int = 0
+    token: _Token | None = None
+
+
+class _Token:
+    """Links a module call's forward with its backward hooks (no reference to tensors)."""
+
+    __slots__ = ()
+
+
+def _grad_tensors(values: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+class _SavedTensorVersionError(RuntimeError):
+    pass
+
+
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Return the saved tensor, repeating autograd's in-place check (skipped under hooks)."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise _SavedTensorVersionError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead. (PyTorch skips this check "
+            "while saved-tensor hooks are active; memsentry repeats it.)"
+        )
+    return tensor
+
+
+class Tracker:
+    """Records memory per layer and per iteration. Build it with :func:`memsentry.track`."""
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        device: torch.device | str | int | None = None,
+        exact: bool = False,
+        saved_tensors: bool = True,
+        backward: bool = True,
+        max_iterations: int = 10_000,
+    ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                "track() takes a torch.nn.Module (or nothing, to hook every module), got "
+                f"{type(model).__name__}; pass the model itself, e.g. track(model)"
+            )
+        for flag_name, flag in (("exact", exact), ("saved_tensors", saved_tensors),
+                                ("backward", backward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"track({flag_name}=...) takes True or False, got {flag!r}")
+        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
+                or max_iterations < 2:
+            raise ValueError(
+                f"track(max_iterations=...) must be an int of at least 2, got {max_iterations!r}"
+            )
+        self._device: torch.device | None = parse_device(device) if device is not None else None
+        if self._device is None and model is not None:
+            self._device = device_of_module(model)
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._exact = exact
+        self._saved_tensors = saved_tensors
+        self._backward = backward
+        self._registry = LayerRegistry()
+        self._timeline = Timeline(capacity=max_iterations)
+        self._backend: MemoryBackend | None = None
+        self._handles: list[Any] = []
+        self._saved_hooks: saved_tensors_hooks | None = None
+        self._stack: list[_Frame] = []
+        self._backward_open: dict[int, _Frame] = {}
+        self._end_of_backward_queued = False
+        self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._manual_steps = False
+        self._state = "new"
+        self._baseline = 0
+        self._overall_peak = 0
+        self._last_allocated = 0
+        self._last_reserved: int | None = None
+        self._iter_index = 0
+        self._iter_start = 0.0
+        self._iter_peak = 0
+        self._iter_calls = 0
+        self._last_boundary = ""
+        self._sample_in_ops = False
+        self._notes: list[str] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> Tracker:
+        if self._state != "new":
+            raise TrackerStateError(
+                "this tracker was already used; create a new one with memsentry.track() "
+                "for each with-block"
+            )
+        self._state = "active"
+        self._iter_start = time.perf_counter()
+        try:
+            if self._device is None and not torch.cuda.is_available():
+                self._device = torch.device("cpu")
+            if self._device is not None:
+                self._start_backend(self._device)
+            model = self._model_ref() if self._model_ref is not None else None
+            if model is not None:
+                self._registry.name_tree(model)
+                for module in model.modules():
+                    self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+                    self._handles.append(
+                        module.register_forward_hook(self._post_forward, always_call=True)
+                    )
+            else:
+                self._handles.append(register_module_forward_pre_hook(self._pre_forward))
+                self._handles.append(
+                    register_module_forward_hook(self._post_forward, always_call=True)
+                )
+            self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+            if self._saved_tensors:
+                self._saved_hooks = saved_tensors_hooks(self._pack, _unpack)
+                self._saved_hooks.__enter__()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state != "active":
+            return
+        try:
+            if self._backend is not None and (self._iter_calls or not self._timeline.items):
+                self._close_iteration("exit")
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        if self._backend is not None:
+            if self._state == "active":
+                self._last_allocated = self._backend.allocated()
+                self._last_reserved = self._backend.reserved()
+            self._backend.stop()
+        self._stack.clear()
+        self._backward_open.clear()
+        self._registry.clear_modules()
+        self._primary_optimizer = None
+        self._model_ref = None
+        self._state = "closed"
+
+    def _start_backend(self, device: torch.device) -> None:
+        self._device = device
+        self._backend = make_backend(device, exact=self._exact)
+        self._backend.start()
+        self._sample_in_ops = self._backend.name == "cpu-mallinfo2"
+        self._baseline = self._backend.allocated()
+        self._overall_peak = self._iter_peak = self._last_allocated = self._baseline
+
+    def _start_lazily(self, module: nn.Module, args: Any) -> None:
+        """Track-without-device on a CUDA machine: pick the device at the first module call,
+        so memsentry never initialises CUDA in a script that does not use it."""
+        device = device_of_module(module)
+        if device is None:
+            tensors = _tensors(args)
+            device = parse_device(tensors[0].device) if tensors else torch.device("cpu")
+        self._start_backend(device)
+
+    # -- sampling ------------------------------------------------------------------------
+    def _sample(self) -> int:
+        allocated, peak = self._backend.sample()  # type: ignore[union-attr]
+        high = allocated if peak is None or peak < allocated else peak
+        if high > self._iter_peak:
+            self._iter_peak = high
+        if self._stack:
+            top = self._stack[-1]
+            if high > top.peak:
+                top.peak = high
+        for frame in self._backward_open.values():
+            if high > frame.peak:
+                frame.peak = high
+        self._last_allocated = allocated
+        return allocated
+
+    # -- forward -------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._state != "active":
+            return
+        if self._backend is None:
+            self._start_lazily(module, args)
+        parent = self._stack[-1].record if self._stack else None
+        record = self._registry.record_for(module, parent)
+        if parent is not None:
+            parent.is_leaf = False
+        allocated = self._sample()
+        frame = _Frame(record, allocated, allocated)
+        self._stack.append(frame)
+        self._iter_calls += 1
+        if self._backward and torch.is_grad_enabled():
+            inputs = _grad_tensors(args)
+            if inputs:
+                frame.token = _Token()
+                register_multi_grad_hook(inputs, self._make_post_backward(frame.token), mode="all")
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._state != "active" or not self._stack:
+            return
+        allocated = self._sample()
+        frame = self._stack.pop()
+        record = self._registry.record_for(module, None)
+        while frame.record is not record and self._stack:  # a child whose post hook never ran
+            frame = self._stack.pop()
+        outputs = _tensors(output)
+        record.add_forward(
+            delta=allocated - frame.start,
+            peak=frame.peak - frame.start,
+            output=storage_bytes(outputs),
+            saved=frame.saved_bytes,
+        )
+        if self._stack:
+            parent = self._stack[-1]
+            if frame.peak > parent.peak:
+                parent.peak = frame.peak
+            for key, size in frame.saved.items():
+                if key not in parent.saved:
+                    parent.saved[key] = size
+                    parent.saved_bytes += size
+        if self._backward and torch.is_grad_enabled():
+            grads = [t for t in outputs if t.requires_grad]
+            if grads:
+                token = frame.token or _Token()
+                register_multi_grad_hook(grads, self._make_pre_backward(record, token), mode="any")
+
+    # -- saved tensors -------------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._state == "active" and self._backend is not None:
+            if self._sample_in_ops:
+                self._sample()
+            if self._stack:
+                frame = self._stack[-1]
+                try:
+                    storage = tensor.untyped_storage()
+                    key = storage.data_ptr()
+                    if key not in frame.saved and key not in self._registry.static_storages:
+                        size = storage.nbytes()
+                        frame.saved[key] = size
+                        frame.saved_bytes += size
+                except (RuntimeError, NotImplementedError):
+                    pass
+        # A detached alias: saving the tensor itself would make a saved output reference its
+        # own grad_fn (a cycle only the garbage collector frees).
+        return tensor.detach(), tensor._version
+
+    # -- backward ------------------------------------------------------------------------
+    def _make_pre_backward(self, record: LayerRecord, token: _Token):  # noqa: ANN202
+        key = id(token)
+
+        def pre_backward(_grad: torch.Tensor | None) -> None:
+            if self._state != "active" or self._backend is None:
+                return
+            if key in self._backward_open:
+                return
+            allocated = self._sample()
+            self._backward_open[key] = _Frame(record, allocated, allocated)
+            if not self._end_of_backward_queued:
+                self._end_of_backward_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        # Holding the token keeps its id unique while these hooks can still fire.
+        pre_backward.token = token  # type: ignore[attr-defined]
+        return pre_backward
+
+    def _make_post_backward(self, token: _Token):  # noqa: ANN202
+        key = id(token)
+
+        def post_backward(_grads: Any) -> None:
+            if self._state != "active" or self._backend is None:
+                return
+            frame = self._backward_open.get(key)
+            if frame is None:
+                return
+            allocated = self._sample()
+            del self._backward_open[key]
+            frame.record.add_backward(allocated - frame.start, frame.peak - frame.start)
+
+        post_backward.token = token  # type: ignore[attr-defined]
+        return post_backward
+
+    def _end_backward(self) -> None:
+        self._end_of_backward_queued = False
+        if self._state != "active" or self._backend is None:
+            return
+        allocated = self._sample()
+        for frame in self._backward_open.values():
+            frame.record.add_backward(allocated - frame.start, frame.peak - frame.start)
+        self._backward_open.clear()
+
+    # -- iterations ----------------------------------------------------------------------
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._state != "active" or self._manual_steps:
+            return
+        if self._primary_optimizer is None or self._primary_optimizer() is None:
+            self._primary_optimizer = weakref.ref(optimizer)
+        elif self._primary_optimizer() is not optimizer:
+            return  # a second optimizer (GAN, multi-task) steps inside the same iteration
+        if self._backend is not None:
+            self._close_iteration("optimizer")
+
+    def step(self) -> None:
+        """Mark the end of an iteration (for loops without an optimizer, or to choose the point).
+
+        After the first call, optimizer steps no longer mark iterations.
+        """
+        if self._state != "active":
+            raise TrackerStateError(
+                "Tracker.step() was called outside its with-block; call it inside "
+                "`with memsentry.track(...) as t:`"
+            )
+        first_manual = not self._manual_steps
+        self._manual_steps = True
+        if self._backend is None:
+            self._start_backend(self._device or torch.device("cpu"))
+        if first_manual and self._last_boundary == "optimizer" and self._iter_calls == 0:
+            # The optimizer already closed this iteration just before; relabel, do not split.
+            return
+        self._close_iteration("step")
+
+    def _close_iteration(self, boundary: str) -> None:
+        now = time.perf_counter()
+        allocated = self._sample()
+        self._timeline.add(
+            IterationStats(
+                index=self._iter_index,
+                allocated=allocated,
+                reserved=self._backend.reserved(),  # type: ignore[union-attr]
+                peak=self._iter_peak,
+                seconds=now - self._iter_start,
+                boundary=boundary,
+                forward_calls=self._iter_calls,
+            )
+        )
+        self._overall_peak = max(self._overall_peak, self._iter_peak)
+        self._iter_index += 1
+        self._iter_start = now
+        self._iter_peak = allocated
+        self._iter_calls = 0
+        self._last_boundary = boundary
+
+    # -- results -------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """True inside the with-block."""
+        return self._state == "active"
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device measured (``None`` until the first module call picks it)."""
+        return self._device
+
+    def report(self) -> Report:
+        """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-block)."""
+        backend = self._backend
+        if backend is None:
+            return Report(
+                device=str(self._device) if self._device is not None else "unknown",
+                backend="none",
+                baseline=0,
+                notes=("No module ran and no iteration ended while tracking: nothing measured.",),
+                torch_version=torch.__version__,
+            )
+        if self._state == "active":
+            allocated = self._sample()
+            reserved = backend.reserved()
+        else:
+            allocated, reserved = self._last_allocated, self._last_reserved
+        notes = list(backend.notes) + self._notes
+        return Report(
+            device=str(backend.device),
+            backend=backend.name,
+            baseline=self._baseline,
+            layers=self._registry.freeze(),
+            iterations=tuple(self._timeline.items),
+            findings=(),
+            peak=max(self._overall_peak, self._iter_peak),
+            allocated=allocated,
+            reserved=reserved,
+            total_memory=backend.total_memory(),
+            peak_mode=backend.peak_mode,
+            notes=tuple(notes),
+            dropped_iterations=self._timeline.dropped,
+            torch_version=torch.__version__,
+        )
+
+
+def track(
+    model: nn.Module | None = None,
+    *,
+    device: torch.device | str | int | None = None,
+    exact: bool = False,
+    saved_tensors: bool = True,
+    backward: bool = True,
+    max_iterations: int = 10_000,
+) -> Tracker:
+    """Track memory per layer and per iteration inside a ``with`` block.
+
+    ``model``: hook this module and its submodules; ``None`` hooks every module called.
+    ``device``: the device to measure; by default the model's (its first parameter), or,
+    without a model, CUDA's when the first module call is on CUDA, else the CPU.
+    ``exact``: on CPU, count every tensor storage through a dispatch mode (true peaks inside
+    ops, about 1.2x step time); on CUDA, reset the allocator's peak counter at every hook
+    (true per-layer peaks; ``torch.cuda.max_memory_allocated()`` then reads from memsentry's
+    last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
+    for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
+    ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
+    before older ones are thinned out.
+    """
+    return Tracker(
+        model,
+        device=device,
+        exact=exact,
+        saved_tensors=saved_tensors,
+        backward=backward,
+        max_iterations=max_iterations,
+    )

@@ -1,0 +1,1 @@
+"""pytest plugin for memsentry (``pytest --memsentry``); its hooks arrive with the plugin issue."""
