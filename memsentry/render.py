@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from tabulate import DataRow, Line, TableFormat, tabulate
+from tabulate import DataRow, TableFormat, tabulate
 
 from memsentry.report import IterationStats, LayerStats, Report
 from memsentry.units import format_bytes
@@ -168,7 +168,8 @@ def render_findings(report: Report) -> str:
     lines = [f"Findings ({len(report.findings)})"]
     for finding in report.findings:
         where = f" [{finding.where}]" if finding.where else ""
-        lines.append(f"  {str(finding.severity).upper():5} {finding.rule}{where}: {finding.message}")
+        severity = str(finding.severity).upper()
+        lines.append(f"  {severity:5} {finding.rule}{where}: {finding.message}")
         lines.append(f"        fix: {finding.fix}")
     return "\n".join(lines)
 

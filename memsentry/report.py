@@ -162,7 +162,9 @@ class Report:
             return cls.from_dict(json.load(handle))
 
     # -- text ----------------------------------------------------------------------------
-    def format(self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100) -> str:
+    def format(
+        self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100
+    ) -> str:
         """The text report: findings, the per-layer table and the iteration summary.
 
         ``max_depth`` hides layers nested deeper (the root is depth 0), ``top`` keeps the

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -31,27 +31,43 @@ from memsentry.errors import TrackerStateError
 from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
 from memsentry.report import IterationStats, Report
 
+_MAX_PENDING_BACKWARD = 20_000
+
 
 @dataclass(eq=False)
 class _Frame:
-    """One module call in progress (forward), or one module's backward in progress."""
+    """One module call whose forward is running."""
 
     record: LayerRecord
     start: int
     peak: int
     saved: dict[int, int] = field(default_factory=dict)
     saved_bytes: int = 0
-    token: _Token | None = None
+    backward: _BackwardCall | None = None
 
 
-class _Token:
-    """Links a module call's forward with its backward hooks (no reference to tensors)."""
+class _BackwardCall:
+    """The backward of one module call: opened when the gradient of its output is complete,
+    closed when the gradients of its inputs are (or when the backward pass ends)."""
 
-    __slots__ = ()
+    __slots__ = ("handles", "peak", "record", "start", "state")
+
+    def __init__(self, record: LayerRecord) -> None:
+        self.record = record
+        self.state = 0  # 0 waiting, 1 running, 2 done
+        self.start = 0
+        self.peak = 0
+        self.handles: list[Any] = []
 
 
-def _grad_tensors(values: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad]
+def _grad_nodes(tensors: list[torch.Tensor]) -> list[Any]:
+    """The distinct autograd nodes that produced ``tensors`` (leaves have none)."""
+    nodes: dict[int, Any] = {}
+    for tensor in tensors:
+        node = tensor.grad_fn
+        if node is not None and tensor.requires_grad:
+            nodes.setdefault(id(node), node)
+    return list(nodes.values())
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -115,7 +131,8 @@ class Tracker:
         self._handles: list[Any] = []
         self._saved_hooks: saved_tensors_hooks | None = None
         self._stack: list[_Frame] = []
-        self._backward_open: dict[int, _Frame] = {}
+        self._backward_open: dict[int, _BackwardCall] = {}
+        self._backward_pending: list[_BackwardCall] = []
         self._end_of_backward_queued = False
         self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._manual_steps = False
@@ -195,6 +212,10 @@ class Tracker:
                 self._last_reserved = self._backend.reserved()
             self._backend.stop()
         self._stack.clear()
+        for call in self._backward_pending:
+            for handle in call.handles:
+                handle.remove()
+        self._backward_pending.clear()
         self._backward_open.clear()
         self._registry.clear_modules()
         self._primary_optimizer = None
@@ -249,10 +270,13 @@ class Tracker:
         self._stack.append(frame)
         self._iter_calls += 1
         if self._backward and torch.is_grad_enabled():
-            inputs = _grad_tensors(args)
-            if inputs:
-                frame.token = _Token()
-                register_multi_grad_hook(inputs, self._make_post_backward(frame.token), mode="all")
+            call = frame.backward = _BackwardCall(record)
+            self._backward_pending.append(call)
+            if len(self._backward_pending) > _MAX_PENDING_BACKWARD:  # no iteration boundaries
+                self._drop_backward_hooks()
+            # Inputs' nodes run once this module's backward has delivered their gradients.
+            for node in _grad_nodes(_tensors(args)):
+                call.handles.append(node.register_prehook(self._closer(call)))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._state != "active" or not self._stack:
@@ -277,11 +301,11 @@ class Tracker:
                 if key not in parent.saved:
                     parent.saved[key] = size
                     parent.saved_bytes += size
-        if self._backward and torch.is_grad_enabled():
-            grads = [t for t in outputs if t.requires_grad]
-            if grads:
-                token = frame.token or _Token()
-                register_multi_grad_hook(grads, self._make_pre_backward(record, token), mode="any")
+        call = frame.backward
+        if call is not None and torch.is_grad_enabled():
+            # Outputs' nodes run once the gradient of the module's output is complete.
+            for node in _grad_nodes(outputs):
+                call.handles.append(node.register_prehook(self._opener(call)))
 
     # -- saved tensors -------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -304,48 +328,52 @@ class Tracker:
         return tensor.detach(), tensor._version
 
     # -- backward ------------------------------------------------------------------------
-    def _make_pre_backward(self, record: LayerRecord, token: _Token):  # noqa: ANN202
-        key = id(token)
-
-        def pre_backward(_grad: torch.Tensor | None) -> None:
-            if self._state != "active" or self._backend is None:
-                return
-            if key in self._backward_open:
+    # Node pre-hooks rather than tensor or multi-grad hooks: they cost the least inside the
+    # autograd engine (measured 1.010x against 1.03x a step on a Transformer encoder).
+    def _opener(self, call: _BackwardCall):
+        def open_backward(_grad_outputs: Any) -> None:
+            if call.state or self._state != "active":
                 return
             allocated = self._sample()
-            self._backward_open[key] = _Frame(record, allocated, allocated)
+            call.state, call.start, call.peak = 1, allocated, allocated
+            self._backward_open[id(call)] = call
             if not self._end_of_backward_queued:
                 self._end_of_backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-        # Holding the token keeps its id unique while these hooks can still fire.
-        pre_backward.token = token  # type: ignore[attr-defined]
-        return pre_backward
+        return open_backward
 
-    def _make_post_backward(self, token: _Token):  # noqa: ANN202
-        key = id(token)
-
-        def post_backward(_grads: Any) -> None:
-            if self._state != "active" or self._backend is None:
+    def _closer(self, call: _BackwardCall):
+        def close_backward(_grad_outputs: Any) -> None:
+            if call.state != 1 or self._state != "active":
                 return
-            frame = self._backward_open.get(key)
-            if frame is None:
-                return
-            allocated = self._sample()
-            del self._backward_open[key]
-            frame.record.add_backward(allocated - frame.start, frame.peak - frame.start)
+            self._finish_backward(call, self._sample())
+            del self._backward_open[id(call)]
 
-        post_backward.token = token  # type: ignore[attr-defined]
-        return post_backward
+        return close_backward
+
+    def _finish_backward(self, call: _BackwardCall, allocated: int) -> None:
+        call.state = 2
+        call.record.add_backward(allocated - call.start, call.peak - call.start)
 
     def _end_backward(self) -> None:
+        """End of a backward pass: close the calls whose inputs needed no gradient."""
         self._end_of_backward_queued = False
-        if self._state != "active" or self._backend is None:
+        if self._state != "active":
             return
         allocated = self._sample()
-        for frame in self._backward_open.values():
-            frame.record.add_backward(allocated - frame.start, frame.peak - frame.start)
+        for call in self._backward_open.values():
+            self._finish_backward(call, allocated)
         self._backward_open.clear()
+
+    def _drop_backward_hooks(self) -> None:
+        """Remove the hooks of past calls, so that a graph node the user keeps across
+        iterations does not gather one more memsentry hook per iteration."""
+        for call in self._backward_pending:
+            if call.state != 1:
+                for handle in call.handles:
+                    handle.remove()
+        self._backward_pending = [c for c in self._backward_pending if c.state == 1]
 
     # -- iterations ----------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -392,6 +420,7 @@ class Tracker:
             )
         )
         self._overall_peak = max(self._overall_peak, self._iter_peak)
+        self._drop_backward_hooks()
         self._iter_index += 1
         self._iter_start = now
         self._iter_peak = allocated

@@ -73,4 +73,4 @@ def parse_size(value: int | str) -> int:
             f"cannot read {value!r} as a size: use bytes or a number with one of "
             "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '512 KiB', '2GB', '1.5 MiB')"
         )
-    return int(round(float(match.group(1)) * factor))
+    return round(float(match.group(1)) * factor)

@@ -7,27 +7,28 @@ import torch
 from memsentry.backends.base import MemoryBackend
 from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, StorageBackend
 from memsentry.backends.cuda import CudaBackend
-from memsentry.backends.nvml import NvmlInfo, query as nvml_query
+from memsentry.backends.nvml import NvmlInfo
+from memsentry.backends.nvml import query as nvml_query
 from memsentry.errors import UnsupportedDeviceError
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 __all__ = [
-    "MemoryBackend",
-    "MallinfoBackend",
-    "StorageBackend",
+    "SUPPORTED_DEVICE_TYPES",
     "CudaBackend",
+    "MallinfoBackend",
+    "MemoryBackend",
     "NvmlInfo",
-    "nvml_query",
-    "parse_device",
+    "StorageBackend",
     "device_of_module",
     "make_backend",
-    "SUPPORTED_DEVICE_TYPES",
+    "nvml_query",
+    "parse_device",
 ]
 
 
 def parse_device(device: object) -> torch.device:
-    """Turn a ``device=`` argument into a ``torch.device`` memsentry can measure, or explain why not."""
+    """Turn a ``device=`` argument into a ``torch.device`` memsentry can measure, or say why not."""
     if isinstance(device, torch.device):
         parsed = device
     elif isinstance(device, int) and not isinstance(device, bool):

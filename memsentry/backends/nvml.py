@@ -32,8 +32,9 @@ def _error_text(exc: BaseException) -> str:
     return text.decode() if isinstance(text, bytes) else text
 
 
-def _handle_for(pynvml, index: int):  # noqa: ANN001, ANN202
-    """NVML handle of torch's CUDA device ``index``: by PCI bus id, so CUDA_VISIBLE_DEVICES holds."""
+def _handle_for(pynvml, index: int):
+    """NVML handle of torch's CUDA device ``index``, found by PCI bus id so that
+    ``CUDA_VISIBLE_DEVICES`` renumbering is respected."""
     if torch.cuda.is_available() and index < torch.cuda.device_count():
         props = torch.cuda.get_device_properties(index)
         bus = getattr(props, "pci_bus_id", None)
@@ -43,7 +44,7 @@ def _handle_for(pynvml, index: int):  # noqa: ANN001, ANN202
             bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
             try:
                 return pynvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
-            except Exception:  # noqa: BLE001 - fall back to the index below
+            except Exception:
                 pass
     return pynvml.nvmlDeviceGetHandleByIndex(index)
 
@@ -58,40 +59,40 @@ def query(index: int = 0) -> NvmlInfo:
                         "pip install nvidia-ml-py")
     try:
         pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+    except Exception as exc:
         return NvmlInfo(False, f"NVML could not start: {_error_text(exc)}")
     try:
         try:
             handle = _handle_for(pynvml, index)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return NvmlInfo(False, f"NVML has no GPU {index}: {_error_text(exc)}")
         values: dict[str, object] = {"available": True, "index": index}
         try:
             name = pynvml.nvmlDeviceGetName(handle)
             values["name"] = name.decode() if isinstance(name, bytes) else name
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         try:
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             values["used"], values["total"] = int(mem.used), int(mem.total)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             values["reason"] = f"memory figures unavailable: {_error_text(exc)}"
         try:
             rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
             values["gpu_utilization"] = int(rates.gpu)
             values["memory_utilization"] = int(rates.memory)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         values["process_used"] = _process_memory(pynvml, handle)
         return NvmlInfo(**values)  # type: ignore[arg-type]
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
-def _process_memory(pynvml, handle) -> int | None:  # noqa: ANN001
+def _process_memory(pynvml, handle) -> int | None:
     """Device memory NVML attributes to this process, or ``None`` when it will not say."""
     pid = os.getpid()
     for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
@@ -102,6 +103,6 @@ def _process_memory(pynvml, handle) -> int | None:  # noqa: ANN001
             for proc in func(handle):
                 if proc.pid == pid and proc.usedGpuMemory is not None:
                     return int(proc.usedGpuMemory)
-        except Exception:  # noqa: BLE001 - permission or driver limits
+        except Exception:
             continue
     return None
