@@ -185,7 +185,20 @@ def render_header(report: Report) -> str:
     if report.total_memory:
         figures.append(f"of {format_bytes(report.total_memory)}")
     parts.append("allocated " + ", ".join(figures))
+    if report.nvml is not None:
+        parts.append(_nvml_line(report.nvml))
     return "\n".join(parts)
+
+
+def _nvml_line(nvml: dict) -> str:
+    if not nvml.get("available"):
+        return f"NVML: unavailable: {nvml.get('reason')}"
+    used, total = format_bytes(nvml.get("used")), format_bytes(nvml.get("total"))
+    line = f"NVML: device used {used} of {total}, this process "
+    line += format_bytes(nvml.get("process_used"))
+    if nvml.get("gpu_utilization") is not None:
+        line += f", GPU utilisation {nvml['gpu_utilization']}%"
+    return line
 
 
 def render_text(report: Report, *, max_depth: int | None = None, top: int | None = 30,

@@ -95,7 +95,10 @@ class Report:
     ``baseline`` is the allocated memory when tracking began (parameters, buffers and every
     tensor created before are part of it, not growth). ``peak_mode`` says how peaks were
     measured: ``"sampled"`` (at module and saved-tensor boundaries; a lower bound of the true
-    peak) or ``"exact"`` (every allocation counted).
+    peak) or ``"exact"`` (every allocation counted). ``allocator_stats`` is the backend's raw
+    counters when the report was made (``torch.cuda.memory_stats()`` on CUDA, glibc's
+    ``mallinfo2`` fields on CPU); ``nvml`` is the driver's view of a CUDA device (used, total,
+    this process, utilisation) or why it is unavailable.
     """
 
     device: str
@@ -112,6 +115,8 @@ class Report:
     notes: tuple[str, ...] = ()
     dropped_iterations: int = 0
     torch_version: str = ""
+    allocator_stats: dict[str, Any] | None = None
+    nvml: dict[str, Any] | None = None
 
     # -- lookups -------------------------------------------------------------------------
     def layer(self, name: str) -> LayerStats:

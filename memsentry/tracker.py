@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +25,7 @@ from torch.nn.modules.module import (
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
-from memsentry.backends import device_of_module, make_backend, parse_device
+from memsentry.backends import device_of_module, make_backend, nvml_query, parse_device
 from memsentry.backends.base import MemoryBackend
 from memsentry.errors import TrackerStateError
 from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
@@ -147,7 +147,6 @@ class Tracker:
         self._iter_calls = 0
         self._last_boundary = ""
         self._sample_in_ops = False
-        self._notes: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -454,7 +453,10 @@ class Tracker:
             reserved = backend.reserved()
         else:
             allocated, reserved = self._last_allocated, self._last_reserved
-        notes = list(backend.notes) + self._notes
+        notes = list(backend.notes)
+        nvml = None
+        if backend.device.type == "cuda":
+            nvml = asdict(nvml_query(backend.device.index or 0))
         return Report(
             device=str(backend.device),
             backend=backend.name,
@@ -470,6 +472,8 @@ class Tracker:
             notes=tuple(notes),
             dropped_iterations=self._timeline.dropped,
             torch_version=torch.__version__,
+            allocator_stats=backend.stats(),
+            nvml=nvml,
         )
 
 

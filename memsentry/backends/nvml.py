@@ -43,7 +43,7 @@ def _handle_for(pynvml, index: int):
             device = getattr(props, "pci_device_id", 0)
             bus_id = f"{domain:08x}:{bus:02x}:{device:02x}.0"
             try:
-                return pynvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
+                return pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
             except Exception:
                 pass
     return pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -1,0 +1,329 @@
+"""The memsentry command: run an unmodified script under tracking, and info about the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from memsentry import Report
+from memsentry.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLES = REPO / "samples"
+
+SCRIPT = """\
+import sys
+
+import torch
+from torch import nn
+
+print("argv:", sys.argv)
+
+
+def main():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print("main ran")
+
+
+if __name__ == "__main__":
+    main()
+{ending}
+"""
+
+
+def write_script(directory: Path, ending: str = "", name: str = "train_script.py") -> Path:
+    path = directory / name
+    path.write_text(SCRIPT.format(ending=textwrap.dedent(ending)), encoding="utf-8")
+    return path
+
+
+def _layer_names_in(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("-----"))
+    names = []
+    for line in lines[start + 1:]:
+        if line.startswith("total (leaf layers)"):
+            return names
+        names.append(line.split()[0])
+    raise AssertionError("no layer table in the report")
+
+
+# -- memsentry run -----------------------------------------------------------------------------
+
+
+def test_run_reports_the_scripts_layers_and_passes_its_argv(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path)
+    argv_before, path_before = sys.argv[:], sys.path[:]
+    code = main(["run", str(script), "arg1", "two words"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"argv: [{str(script)!r}, 'arg1', 'two words']" in out
+    assert "main ran" in out  # the script ran as __main__
+    assert "memsentry report" in out
+    assert out.index("main ran") < out.index("memsentry report")
+    assert _layer_names_in(out) == ["Sequential", "0", "1", "2"]
+    assert "Iterations (3 recorded" in out
+    # memsentry put the process back as it found it.
+    assert sys.argv == argv_before
+    assert sys.path == path_before
+
+
+def test_run_returns_the_scripts_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path, "sys.exit(3)")
+    assert main(["run", str(script)]) == 3
+    out = capsys.readouterr().out
+    assert "main ran" in out and "memsentry report" in out
+    assert _layer_names_in(out) == ["Sequential", "0", "1", "2"]
+
+
+def test_run_of_a_failing_script_returns_1_and_still_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path, 'raise RuntimeError("the script failed")')
+    assert main(["run", str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "RuntimeError: the script failed" in captured.err
+    assert "memsentry report" in captured.out
+    assert _layer_names_in(captured.out) == ["Sequential", "0", "1", "2"]
+
+
+def test_run_with_a_message_exit_prints_it_and_returns_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path, 'sys.exit("no data found")')
+    assert main(["run", str(script)]) == 1
+    assert "no data found" in capsys.readouterr().err
+
+
+def test_run_json_writes_a_readable_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path)
+    out_json = tmp_path / "out.json"
+    assert main(["run", "--json", str(out_json), str(script)]) == 0
+    capsys.readouterr()
+    report = Report.from_json(out_json)
+    assert [layer.name for layer in report.layers] == ["Sequential", "0", "1", "2"]
+    assert [layer.type for layer in report.layers] == ["Sequential", "Linear", "ReLU", "Linear"]
+    assert [it.boundary for it in report.iterations] == ["optimizer"] * 3
+    assert report.layer("0").calls == 3
+
+
+def test_options_after_the_script_belong_to_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    script = write_script(tmp_path)
+    assert main(["run", str(script), "--json", "theirs.json", "--top", "1", "-m"]) == 0
+    out = capsys.readouterr().out
+    assert "'--json', 'theirs.json', '--top', '1', '-m']" in out
+    assert not (tmp_path / "theirs.json").exists()
+    assert len(_layer_names_in(out)) == 4  # memsentry's --top stayed at its default
+
+
+def test_run_output_file_top_and_depth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path)
+    text_file = tmp_path / "report.txt"
+    assert main(["run", "-o", str(text_file), "--depth", "0", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "main ran" in out
+    assert "memsentry report" not in out
+    text = text_file.read_text(encoding="utf-8")
+    assert _layer_names_in(text) == ["Sequential"]
+    assert main(["run", "-o", str(text_file), "--top", "2", str(script)]) == 0
+    capsys.readouterr()
+    assert len(_layer_names_in(text_file.read_text(encoding="utf-8"))) == 2
+
+
+def test_run_exact_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = write_script(tmp_path)
+    out_json = tmp_path / "exact.json"
+    assert main(["run", "--exact", "--json", str(out_json), str(script)]) == 0
+    capsys.readouterr()
+    report = Report.from_json(out_json)
+    assert report.peak_mode == "exact"
+    assert report.layer("0").output_bytes == 4 * 16 * 4
+
+
+def test_run_a_module_with_dash_m(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_script(tmp_path, name="memsentry_cli_test_module.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["run", "-m", "memsentry_cli_test_module", "x"]) == 0
+    out = capsys.readouterr().out
+    assert "main ran" in out
+    assert "'x']" in out
+    assert _layer_names_in(out) == ["Sequential", "0", "1", "2"]
+
+
+def test_run_missing_script_returns_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.py"
+    assert main(["run", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert "no such script" in captured.err and "nope.py" in captured.err
+    assert "memsentry report" not in captured.out
+
+
+def test_run_with_a_bad_device_returns_2_and_restores_the_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = write_script(tmp_path)
+    # Copies, put back at teardown whatever main() does, so a failure here stays here.
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    monkeypatch.setattr(sys, "path", sys.path[:])
+    argv_before, path_before = sys.argv[:], sys.path[:]
+    assert main(["run", "--device", "tpu", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "'cpu'" in err and "'cuda'" in err
+    assert sys.argv == argv_before
+    assert sys.path == path_before
+
+
+def test_bad_option_values_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path)
+    for argv in (["run", "--top", "0", str(script)], ["run", "--width", "x", str(script)], []):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    assert "usage: memsentry" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import memsentry
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert memsentry.__version__ in capsys.readouterr().out
+
+
+# -- entry points, as a user starts them -------------------------------------------------------
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def test_python_dash_m_memsentry_run(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "sys.exit(5)")
+    result = subprocess.run(
+        [sys.executable, "-m", "memsentry", "run", str(script), "hello"],
+        capture_output=True, text=True, timeout=120, env=_environment(), cwd=tmp_path,
+    )
+    assert result.returncode == 5, result.stderr
+    assert "'hello']" in result.stdout
+    assert "memsentry report" in result.stdout
+    assert _layer_names_in(result.stdout) == ["Sequential", "0", "1", "2"]
+
+
+def _console_script() -> str | None:
+    found = shutil.which("memsentry")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "memsentry"
+    return str(beside) if beside.exists() else None
+
+
+def test_memsentry_console_script(tmp_path: Path) -> None:
+    command = _console_script()
+    if command is None:
+        pytest.skip("the memsentry console script is not installed (pip install -e .)")
+    script = write_script(tmp_path)
+    result = subprocess.run(
+        [command, "run", "--json", "r.json", str(script)],
+        capture_output=True, text=True, timeout=120, env=_environment(), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "main ran" in result.stdout
+    assert Report.from_json(tmp_path / "r.json").layer("Sequential").calls == 3
+
+
+# -- memsentry info ----------------------------------------------------------------------------
+
+
+def test_info(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out
+    if not torch.cuda.is_available():
+        assert "CUDA: unavailable:" in out
+        assert "NVML: unavailable:" in out
+    else:
+        assert "cuda:0" in out
+
+
+def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["torch_version"] == torch.__version__
+    assert data["cuda_available"] == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert data["cuda_reason"]
+        assert data["nvml"]["available"] is False and data["nvml"]["reason"]
+
+
+# -- the bundled samples -----------------------------------------------------------------------
+
+
+def _run_sample(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Report:
+    script = SAMPLES / name
+    assert script.is_file(), f"{script} is missing"
+    out_json = tmp_path / f"{script.stem}.json"
+    code = main(["run", "--json", str(out_json), str(script),
+                 "--steps", "10", "--batch", "64", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "validation accuracy" in out
+    assert "memsentry report" in out
+    return Report.from_json(out_json)
+
+
+def _growth(report: Report) -> int:
+    """allocated at the last complete iteration minus at the second (the first carries set-up)."""
+    complete = [it for it in report.iterations if it.boundary != "exit"]
+    assert len(complete) == 10
+    return complete[-1].allocated - complete[1].allocated
+
+
+def test_samples_leaky_grows_and_fixed_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    leaky = _run_sample("train_leaky.py", tmp_path, capsys)
+    fixed = _run_sample("train_fixed.py", tmp_path, capsys)
+    for report in (leaky, fixed):
+        names = [layer.name for layer in report.layers]
+        assert names[:4] == ["Classifier", "encoder", "encoder.0", "encoder.1"]
+        assert "head" in names
+    # The leaky loop keeps each step's graph (running_loss += loss) and each validation
+    # forward's activations; with batch 64 and 1024-wide hidden layers that is hundreds of
+    # KiB a step. The fixed loop keeps 64 x 10 logits (2.5 KiB) a step.
+    leaky_growth, fixed_growth = _growth(leaky), _growth(fixed)
+    assert leaky_growth > 8 * 256 * 1024
+    assert fixed_growth < 8 * 16 * 1024
+    assert leaky_growth > 10 * fixed_growth
