@@ -80,16 +80,16 @@ def command_run(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.script):
         print(f"memsentry run: no such script: {args.script!r}", file=sys.stderr)
         return 2
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [args.script, *args.args]
-    if not args.module:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    code = 0
     try:
         tracker = track(device=args.device, exact=args.exact)
     except (MemsentryError, TypeError, ValueError) as exc:
         print(f"memsentry run: {exc}", file=sys.stderr)
         return 2
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [args.script, *args.args]
+    if not args.module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    code = 0
     try:
         with tracker:
             try:

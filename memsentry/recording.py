@@ -7,7 +7,7 @@ module strongly: modules are looked up through a ``WeakKeyDictionary``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ class LayerRecord:
     backward_calls: int = 0
     is_leaf: bool = True
 
-    def add_forward(self, delta: int, peak: int, output: int, saved: int) -> None:
+    def add_forward(self, delta: int, peak: int, output: int, saved: int | None) -> None:
         """Fold in one forward call. The first call's deltas and peaks carry one-time set-up
         (thread pools, kernels' workspaces, lazily created buffers), so from the second call
         on they are replaced by the worst of the later calls."""
@@ -50,7 +50,8 @@ class LayerRecord:
         self.forward_delta = _max(self.forward_delta, delta)
         self.forward_peak = _max(self.forward_peak, peak)
         self.output_bytes = _max(self.output_bytes, output)
-        self.saved_bytes = _max(self.saved_bytes, saved)
+        if saved is not None:
+            self.saved_bytes = _max(self.saved_bytes, saved)
 
     def add_backward(self, delta: int, peak: int) -> None:
         """Fold in one backward; as for the forward, the first is dropped once a second ran."""
@@ -194,7 +195,7 @@ class Timeline:
     dropped: int = 0
 
     def add(self, item: IterationStats) -> None:
-        if item.index % self.stride:
+        if item.index % self.stride and item.boundary != "exit":  # the end is always kept
             self.dropped += 1
             return
         self.items.append(item)
@@ -203,3 +204,8 @@ class Timeline:
             kept = [it for it in self.items if it.index % self.stride == 0]
             self.dropped += len(self.items) - len(kept)
             self.items = kept
+
+    def relabel_last(self, boundary: str) -> None:
+        """Change what closed the newest iteration (an explicit ``t.step()`` took over)."""
+        if self.items:
+            self.items[-1] = replace(self.items[-1], boundary=boundary)

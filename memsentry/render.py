@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Sequence
 
 from tabulate import DataRow, TableFormat, tabulate
@@ -113,7 +114,7 @@ def render_layers(report: Report, *, max_depth: int | None, top: int | None, wid
         if top is not None:
             limits.append(f"top {top} by footprint")
         title += f"; {len(shown)} of {len(report.layers)} shown: {', '.join(limits)}"
-    title += ")"
+    title = textwrap.fill(title + ")", width, subsequent_indent="  ")
     table = tabulate([*map(list, _LAYER_HEADERS), rule, *rows], tablefmt=_NARROW,
                      colalign=("left", "left") + ("right",) * 8, disable_numparse=True)
     return f"{title}\n{table}"
@@ -210,5 +211,8 @@ def render_text(report: Report, *, max_depth: int | None = None, top: int | None
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
     sections.append(render_iterations(report))
     if report.notes:
-        sections.append("\n".join(f"note: {note}" for note in report.notes))
+        sections.append("\n".join(
+            textwrap.fill(f"note: {note}", width, subsequent_indent="      ")
+            for note in report.notes
+        ))
     return "\n\n".join(sections)

@@ -141,6 +141,7 @@ class Tracker:
         self._overall_peak = 0
         self._last_allocated = 0
         self._last_reserved: int | None = None
+        self._last_counters: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)
         self._iter_index = 0
         self._iter_start = 0.0
         self._iter_peak = 0
@@ -209,6 +210,7 @@ class Tracker:
             if self._state == "active":
                 self._last_allocated = self._backend.allocated()
                 self._last_reserved = self._backend.reserved()
+                self._last_counters = self._counters(self._backend)
             self._backend.stop()
         self._stack.clear()
         for call in self._backward_pending:
@@ -290,7 +292,7 @@ class Tracker:
             delta=allocated - frame.start,
             peak=frame.peak - frame.start,
             output=storage_bytes(outputs),
-            saved=frame.saved_bytes,
+            saved=frame.saved_bytes if self._saved_tensors else None,
         )
         if self._stack:
             parent = self._stack[-1]
@@ -401,6 +403,8 @@ class Tracker:
             self._start_backend(self._device or torch.device("cpu"))
         if first_manual and self._last_boundary == "optimizer" and self._iter_calls == 0:
             # The optimizer already closed this iteration just before; relabel, do not split.
+            self._timeline.relabel_last("step")
+            self._last_boundary = "step"
             return
         self._close_iteration("step")
 
@@ -437,6 +441,14 @@ class Tracker:
         """The device measured (``None`` until the first module call picks it)."""
         return self._device
 
+    @staticmethod
+    def _counters(backend: MemoryBackend) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The backend's raw counters and, on CUDA, NVML's view of the device."""
+        nvml = None
+        if backend.device.type == "cuda":
+            nvml = asdict(nvml_query(backend.device.index or 0))
+        return backend.stats(), nvml
+
     def report(self) -> Report:
         """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-block)."""
         backend = self._backend
@@ -451,12 +463,11 @@ class Tracker:
         if self._state == "active":
             allocated = self._sample()
             reserved = backend.reserved()
-        else:
+            allocator_stats, nvml = self._counters(backend)
+        else:  # the block's own record, read at exit
             allocated, reserved = self._last_allocated, self._last_reserved
+            allocator_stats, nvml = self._last_counters
         notes = list(backend.notes)
-        nvml = None
-        if backend.device.type == "cuda":
-            nvml = asdict(nvml_query(backend.device.index or 0))
         return Report(
             device=str(backend.device),
             backend=backend.name,
@@ -472,7 +483,7 @@ class Tracker:
             notes=tuple(notes),
             dropped_iterations=self._timeline.dropped,
             torch_version=torch.__version__,
-            allocator_stats=backend.stats(),
+            allocator_stats=allocator_stats,
             nvml=nvml,
         )
 

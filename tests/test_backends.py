@@ -226,6 +226,9 @@ def test_default_cuda_tracking_leaves_max_memory_allocated_alone() -> None:
     assert report.device == "cuda:0"
     assert report.backend == "cuda-caching-allocator"
     assert report.peak_mode == "sampled"
+    assert report.nvml is not None and report.nvml["available"] is True
+    assert report.allocator_stats is not None
+    assert "allocated_bytes.all.current" in report.allocator_stats
     assert len(report.iterations) == 3
     assert torch.cuda.max_memory_allocated(CUDA) >= peak_before
 
@@ -314,6 +317,9 @@ def test_nvml_sees_the_gpu() -> None:
     assert info.available is True, info.reason
     assert info.total is not None and info.total > 0
     assert info.used is not None and 0 <= info.used <= info.total
+    # The handle is torch's device 0 (found by PCI bus id, so CUDA_VISIBLE_DEVICES holds).
+    assert info.name == torch.cuda.get_device_name(0)
+    assert info.total >= torch.cuda.get_device_properties(0).total_memory
 
 
 @pytest.mark.cuda

@@ -4,6 +4,8 @@ iterations are counted right, growth is visible, and misuse gives clear errors."
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 import weakref
 from collections.abc import Callable
 
@@ -24,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memsentry
 from memsentry import TrackerStateError, UnsupportedDeviceError
-from memsentry.backends.cpu import MallinfoBackend
+from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
 
 
 def _global_hook_sizes() -> tuple[int, ...]:
@@ -114,8 +116,6 @@ def test_model_and_parameters_freed_by_refcount_after_tracking(
 @pytest.mark.parametrize("with_model", [True, False], ids=["model", "global"])
 def test_model_and_optimizer_are_not_kept_by_the_tracker(with_model: bool) -> None:
     # torch optimizers hold reference cycles of their own, so collect once, then check.
-    import gc
-
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with memsentry.track(model if with_model else None) as tracker:
@@ -355,6 +355,21 @@ def test_a_second_optimizer_does_not_double_count() -> None:
                      ("BCEWithLogitsLoss", "BCEWithLogitsLoss")]
 
 
+def test_gradient_accumulation_is_one_iteration_per_optimizer_step(mlp: nn.Sequential) -> None:
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    with memsentry.track(mlp) as t:
+        for _ in range(2):
+            for _ in range(3):  # three micro-batches per step
+                mlp(torch.randn(4, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = t.report()
+    assert [(it.boundary, it.forward_calls) for it in report.iterations] == [
+        ("optimizer", 12), ("optimizer", 12),
+    ]
+    assert report.layer("0").backward_calls == 6
+
+
 def test_calls_after_the_last_boundary_give_an_exit_iteration(mlp: nn.Sequential) -> None:
     with memsentry.track(mlp) as t:
         train(mlp, 2)
@@ -403,7 +418,7 @@ def test_growth_of_one_mib_per_iteration_is_visible(exact: bool) -> None:
     growth = its[-1].allocated - its[0].allocated
     assert growth >= (n - 1) * MiB - 64 * 1024
     # ... and it rises every iteration, by about 1 MiB.
-    for before, after in zip(its, its[1:], strict=False):
+    for before, after in itertools.pairwise(its):
         assert after.allocated - before.allocated >= MiB - 64 * 1024
 
 
@@ -510,7 +525,27 @@ def test_report_mid_block_and_after_exit(mlp: nn.Sequential) -> None:
     assert final.device == "cpu" and final.backend == "cpu-mallinfo2"
     assert final.torch_version == torch.__version__
     assert final.peak is not None and final.peak >= max(it.allocated for it in final.iterations)
-    assert t.report() == final  # stable once closed
+    # Calls after the block are not recorded.
+    train(mlp, 2)
+    after = t.report()
+    assert after.layer("0").calls == 5 and len(after.iterations) == 5
+
+
+@pytest.mark.skipif(MALLINFO2_UNAVAILABLE is not None, reason="needs glibc mallinfo2")
+def test_report_after_exit_is_the_blocks_record(mlp: nn.Sequential) -> None:
+    # Once the block is closed, the report describes the block: asking again gives the same
+    # report, and its raw allocator counters agree with its allocated figure (both read when
+    # the block ended), whatever the process allocated since.
+    with memsentry.track(mlp) as t:
+        train(mlp, 2)
+    first = t.report()
+    later_tensor = torch.ones(1 << 20)  # 4 MiB allocated after the block
+    second = t.report()
+    assert second == first
+    stats = second.allocator_stats
+    assert stats is not None
+    assert stats["uordblks"] + stats["hblkhd"] == second.allocated
+    del later_tensor
 
 
 def test_report_is_frozen(mlp: nn.Sequential) -> None:

@@ -109,6 +109,13 @@ class MallinfoBackend:
         return None
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 class _StorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created by ops while the mode is active."""
 
@@ -119,19 +126,24 @@ class _StorageCounter(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # Views and in-place results share an input's storage: not new memory, and when the
+        # input predates tracking it belongs to the baseline.
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._see(leaf)
+                self._see(leaf, inputs)
         return out
 
-    def _see(self, tensor: torch.Tensor) -> None:
+    def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             return
         key = storage.data_ptr()
-        if key == 0 or key in self.live:
+        if key == 0 or key in self.live or key in inputs:
             return
         size = storage.nbytes()
         self.live[key] = size
