@@ -50,7 +50,7 @@ class _BackwardCall:
     """The backward of one module call: opened when the gradient of its output is complete,
     closed when the gradients of its inputs are (or when the backward pass ends)."""
 
-    __slots__ = ("handles", "peak", "record", "start", "state")
+    __slots__ = ("handles", "input_nodes", "peak", "record", "start", "state")
 
     def __init__(self, record: LayerRecord) -> None:
         self.record = record
@@ -58,6 +58,7 @@ class _BackwardCall:
         self.start = 0
         self.peak = 0
         self.handles: list[Any] = []
+        self.input_nodes: set[int] = set()
 
 
 def _grad_nodes(tensors: list[torch.Tensor]) -> list[Any]:
@@ -277,6 +278,7 @@ class Tracker:
                 self._drop_backward_hooks()
             # Inputs' nodes run once this module's backward has delivered their gradients.
             for node in _grad_nodes(_tensors(args)):
+                call.input_nodes.add(id(node))
                 call.handles.append(node.register_prehook(self._closer(call)))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -304,9 +306,11 @@ class Tracker:
                     parent.saved_bytes += size
         call = frame.backward
         if call is not None and torch.is_grad_enabled():
-            # Outputs' nodes run once the gradient of the module's output is complete.
+            # Outputs' nodes run once the gradient of the module's output is complete. An output
+            # made by an input's node (nn.Identity, a pass-through) means no backward work here.
             for node in _grad_nodes(outputs):
-                call.handles.append(node.register_prehook(self._opener(call)))
+                if id(node) not in call.input_nodes:
+                    call.handles.append(node.register_prehook(self._opener(call)))
 
     # -- saved tensors -------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

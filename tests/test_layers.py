@@ -206,3 +206,19 @@ def test_forward_raising_in_a_child_keeps_the_call_stack_right() -> None:
     assert report.layer("2").output_bytes == 2 * 4 * 4
     assert report.layer("Linear").calls == 1
     assert report.layer("Linear").output_bytes == 2 * 2 * 4
+
+
+def test_a_pass_through_module_has_no_backward_window() -> None:
+    # nn.Identity returns its input: no autograd work of its own, so no backward figures,
+    # while the layers around it keep theirs.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    with memsentry.track(model) as t:
+        for _ in range(3):
+            model(x).sum().backward()
+            t.step()
+    report = t.report()
+    assert report.layer("1").backward_calls == 0
+    assert report.layer("1").backward_delta is None
+    assert report.layer("2").backward_calls == 3
+    assert report.layer("0").backward_calls == 3
