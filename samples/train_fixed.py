@@ -12,7 +12,7 @@ criterion = nn.CrossEntropyLoss()
 x_val, y_val = next(batches(1, args.batch, args.device))
 
 running_loss = 0.0
-val_logits = []
+correct = 0
 for x, y in batches(args.steps, args.batch, args.device):
     loss = criterion(model(x), y)
     loss.backward()
@@ -22,8 +22,8 @@ for x, y in batches(args.steps, args.batch, args.device):
 
     model.eval()
     with torch.no_grad():  # fixed: no graph is built for validation
-        val_logits.append(model(x_val))
+        correct += (model(x_val).argmax(-1) == y_val).sum().item()  # keep a count, not tensors
     model.train()
 
-accuracy = (torch.stack(val_logits).argmax(-1) == y_val).float().mean()
+accuracy = correct / (args.steps * len(y_val))
 print(f"mean loss {running_loss / args.steps:.4f}, validation accuracy {accuracy:.3f}")
