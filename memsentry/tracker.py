@@ -93,7 +93,19 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 
 class Tracker:
-    """Records memory per layer and per iteration. Build it with :func:`memsentry.track`."""
+    """Track memory per layer and per iteration inside a ``with`` block (``memsentry.track``).
+
+    ``model``: hook this module and its submodules; ``None`` hooks every module called.
+    ``device``: the device to measure; by default the model's (its first parameter), or,
+    without a model, CUDA's when the first module call is on CUDA, else the CPU.
+    ``exact``: on CPU, count every tensor storage through a dispatch mode (true peaks inside
+    ops, about 1.15x step time); on CUDA, reset the allocator's peak counter at every hook
+    (true per-layer peaks; ``torch.cuda.max_memory_allocated()`` then reads from memsentry's
+    last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
+    for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
+    ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
+    before older ones are thinned out.
+    """
 
     def __init__(
         self,
@@ -492,33 +504,5 @@ class Tracker:
         )
 
 
-def track(
-    model: nn.Module | None = None,
-    *,
-    device: torch.device | str | int | None = None,
-    exact: bool = False,
-    saved_tensors: bool = True,
-    backward: bool = True,
-    max_iterations: int = 10_000,
-) -> Tracker:
-    """Track memory per layer and per iteration inside a ``with`` block.
-
-    ``model``: hook this module and its submodules; ``None`` hooks every module called.
-    ``device``: the device to measure; by default the model's (its first parameter), or,
-    without a model, CUDA's when the first module call is on CUDA, else the CPU.
-    ``exact``: on CPU, count every tensor storage through a dispatch mode (true peaks inside
-    ops, about 1.2x step time); on CUDA, reset the allocator's peak counter at every hook
-    (true per-layer peaks; ``torch.cuda.max_memory_allocated()`` then reads from memsentry's
-    last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
-    for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
-    ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
-    before older ones are thinned out.
-    """
-    return Tracker(
-        model,
-        device=device,
-        exact=exact,
-        saved_tensors=saved_tensors,
-        backward=backward,
-        max_iterations=max_iterations,
-    )
+#: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.
+track = Tracker

@@ -628,20 +628,27 @@ def test_track_rejects_bad_arguments() -> None:
 # -- exact mode --------------------------------------------------------------------------------
 
 
-def test_exact_mode_sees_a_temporary_inside_a_layer() -> None:
-    model = nn.Sequential(nn.Linear(16, 16), TempAllocator())
-    x = torch.randn(8, 16)
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+)
+def test_exact_mode_sees_a_temporary_inside_a_layer(device: str) -> None:
+    model = nn.Sequential(nn.Linear(16, 16), TempAllocator()).to(device)
+    x = torch.randn(8, 16, device=device)
     with memsentry.track(model, exact=True) as t:
         for _ in range(3):
             model(x).sum().backward()
             t.step()
     report = t.report()
     assert report.peak_mode == "exact"
-    assert report.backend == "cpu-storages"
     temp = report.layer("1")
     assert temp.forward_peak is not None and temp.forward_peak >= 4 * MiB
     # What stays is the output (8 x 16 float32); the 4 MiB temporary is gone.
-    assert temp.forward_delta == temp.output_bytes == 8 * 16 * 4
+    assert temp.output_bytes == 8 * 16 * 4
+    if device == "cpu":
+        assert report.backend == "cpu-storages"
+        assert temp.forward_delta == temp.output_bytes
+    else:  # the caching allocator rounds the output up to one 512-byte block
+        assert temp.forward_delta is not None and temp.forward_delta < 64 * 1024
     # The parent saw its child's peak.
     assert report.layer("Sequential").forward_peak >= 4 * MiB
     assert max(it.peak - it.allocated for it in report.iterations) >= 4 * MiB
