@@ -81,7 +81,7 @@ def command_run(args: argparse.Namespace) -> int:
         print(f"memsentry run: no such script: {args.script!r}", file=sys.stderr)
         return 2
     try:
-        tracker = track(device=args.device, exact=args.exact)
+        tracker = track(device=args.device, exact=args.exact, on_leak="ignore")
     except (MemsentryError, TypeError, ValueError) as exc:
         print(f"memsentry run: {exc}", file=sys.stderr)
         return 2

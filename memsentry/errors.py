@@ -13,3 +13,18 @@ class UnsupportedDeviceError(MemsentryError, ValueError):
 
 class TrackerStateError(MemsentryError, RuntimeError):
     """A tracker was used out of order (entered twice, stepped after exit, ...)."""
+
+
+class LeakError(MemsentryError, RuntimeError):
+    """Raised at the end of ``track(..., on_leak="raise")`` when a LEAK finding was made.
+
+    ``findings`` holds the LEAK findings.
+    """
+
+    def __init__(self, message: str, findings: tuple = ()) -> None:
+        super().__init__(message)
+        self.findings = findings
+
+
+class LeakWarning(UserWarning):
+    """Warned at the end of ``track(..., on_leak="warn")`` (the default) for LEAK findings."""

@@ -10,8 +10,9 @@ model computes.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -27,11 +28,13 @@ from torch.utils._pytree import tree_leaves
 
 from memsentry.backends import device_of_module, make_backend, nvml_query, parse_device
 from memsentry.backends.base import MemoryBackend
-from memsentry.errors import TrackerStateError
+from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
-from memsentry.report import IterationStats, Report
+from memsentry.report import IterationStats, Report, Severity
+from memsentry.rules import analyse
 
 _MAX_PENDING_BACKWARD = 20_000
+_ON_LEAK = ("warn", "raise", "ignore")
 
 
 @dataclass(eq=False)
@@ -104,7 +107,9 @@ class Tracker:
     last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
     for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
     ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
-    before older ones are thinned out.
+    before older ones are thinned out. ``on_leak``: what happens at the end of the block when
+    a LEAK finding was made: ``"warn"`` (a :class:`~memsentry.LeakWarning`), ``"raise"`` (a
+    :class:`~memsentry.LeakError`, unless the block is already raising) or ``"ignore"``.
     """
 
     def __init__(
@@ -116,6 +121,7 @@ class Tracker:
         saved_tensors: bool = True,
         backward: bool = True,
         max_iterations: int = 10_000,
+        on_leak: str = "warn",
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -131,6 +137,11 @@ class Tracker:
             raise ValueError(
                 f"track(max_iterations=...) must be an int of at least 2, got {max_iterations!r}"
             )
+        if on_leak not in _ON_LEAK:
+            raise ValueError(
+                f"track(on_leak={on_leak!r}): use one of {', '.join(map(repr, _ON_LEAK))}"
+            )
+        self._on_leak = on_leak
         self._device: torch.device | None = parse_device(device) if device is not None else None
         if self._device is None and model is not None:
             self._device = device_of_module(model)
@@ -211,6 +222,19 @@ class Tracker:
                 self._close_iteration("exit")
         finally:
             self._teardown()
+        if self._on_leak != "ignore":
+            self._signal_leaks(raising=exc_type is not None)
+
+    def _signal_leaks(self, *, raising: bool) -> None:
+        leaks = tuple(f for f in self.report().findings if f.severity is Severity.LEAK)
+        if not leaks:
+            return
+        lines = [f"memsentry found {len(leaks)} leak(s):"]
+        lines += [f"  {f.rule}: {f.message}. Fix: {f.fix}" for f in leaks]
+        text = "\n".join(lines)
+        if self._on_leak == "raise" and not raising:
+            raise LeakError(text, leaks)
+        warnings.warn(LeakWarning(text), stacklevel=3)
 
     def _teardown(self) -> None:
         for handle in self._handles:
@@ -484,7 +508,7 @@ class Tracker:
             allocated, reserved = self._last_allocated, self._last_reserved
             allocator_stats, nvml = self._last_counters
         notes = list(backend.notes)
-        return Report(
+        report = Report(
             device=str(backend.device),
             backend=backend.name,
             baseline=self._baseline,
@@ -502,6 +526,7 @@ class Tracker:
             allocator_stats=allocator_stats,
             nvml=nvml,
         )
+        return replace(report, findings=analyse(report))
 
 
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.

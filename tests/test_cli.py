@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import memsentry
 from memsentry import Report
 from memsentry.cli import main
 
@@ -327,3 +328,7 @@ def test_samples_leaky_grows_and_fixed_does_not(
     assert leaky_growth > 8 * 256 * 1024
     assert fixed_growth < 8 * 16 * 1024
     assert leaky_growth > 10 * fixed_growth
+    # The heuristics engine names the growth in the leaky run only.
+    assert [f.rule for f in leaky.findings] == ["memory-growth"]
+    assert leaky.findings[0].severity is memsentry.Severity.LEAK
+    assert fixed.findings == ()
