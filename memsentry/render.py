@@ -165,13 +165,16 @@ def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
     return "\n".join(lines)
 
 
-def render_findings(report: Report) -> str:
+def render_findings(report: Report, *, width: int = 100) -> str:
+    """Each finding: severity, rule id and message, then the fix, wrapped to ``width``."""
     lines = [f"Findings ({len(report.findings)})"]
     for finding in report.findings:
         where = f" [{finding.where}]" if finding.where else ""
         severity = str(finding.severity).upper()
-        lines.append(f"  {severity:5} {finding.rule}{where}: {finding.message}")
-        lines.append(f"        fix: {finding.fix}")
+        head = f"  {severity:5} {finding.rule}{where}: {finding.message}"
+        lines.append(textwrap.fill(head, width, subsequent_indent="        "))
+        lines.append(textwrap.fill(f"        fix: {finding.fix}", width,
+                                   subsequent_indent="             "))
     return "\n".join(lines)
 
 
@@ -207,7 +210,7 @@ def render_text(report: Report, *, max_depth: int | None = None, top: int | None
     """The whole text report: header, findings, layers, iterations, notes."""
     sections = [render_header(report)]
     if report.findings:
-        sections.append(render_findings(report))
+        sections.append(render_findings(report, width=width))
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
     sections.append(render_iterations(report))
     if report.notes:

@@ -192,3 +192,11 @@ def test_analyse_rejects_unknown_rule_ids() -> None:
     with pytest.raises(ValueError, match="memory-growth"):
         analyse(report, rules=["no-such-rule"])
     assert "memory-growth" in memsentry.RULES
+
+
+def test_findings_in_the_text_report_fit_the_width() -> None:
+    kept: list[torch.Tensor] = []
+    report = _loop(12, lambda step, loss, model, x: kept.append(torch.ones(MiB // 4)))
+    text = report.format(width=100)
+    assert "LEAK  memory-growth" in text and "fix:" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
