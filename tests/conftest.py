@@ -155,3 +155,16 @@ def mlp() -> nn.Sequential:
 def net() -> Net:
     torch.manual_seed(0)
     return Net()
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The layer table's rows of a text report (between the dashed rule and the totals row),
+    split on spaces."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("-----"))
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("total (leaf layers)"):
+            return rows
+        rows.append(line.split())
+    raise AssertionError("no totals row in the layer table")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import table_rows
 
 import memsentry
 from memsentry import Report
@@ -54,14 +55,7 @@ def write_script(directory: Path, ending: str = "", name: str = "train_script.py
 
 
 def _layer_names_in(text: str) -> list[str]:
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("-----"))
-    names = []
-    for line in lines[start + 1:]:
-        if line.startswith("total (leaf layers)"):
-            return names
-        names.append(line.split()[0])
-    raise AssertionError("no layer table in the report")
+    return [row[0] for row in table_rows(text)]
 
 
 # -- memsentry run -----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MiB, make_deep, make_mlp, train
+from conftest import MiB, make_deep, make_mlp, table_rows, train
 
 import memsentry
 from memsentry import Finding, Report, Severity, format_bytes, parse_size
@@ -29,18 +29,6 @@ def deep_report() -> Report:
     with memsentry.track(model) as t:
         train(model, 4)
     return t.report()
-
-
-def _table_rows(text: str) -> list[list[str]]:
-    """The layer table's rows (between the dashed rule and the totals row), split on spaces."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("-----"))
-    rows = []
-    for line in lines[start + 1:]:
-        if line.startswith("total (leaf layers)"):
-            return rows
-        rows.append(line.split())
-    raise AssertionError("no totals row in the layer table")
 
 
 # -- serialisation -----------------------------------------------------------------------------
@@ -98,7 +86,7 @@ def test_default_text_has_header_table_totals_and_iterations(deep_report: Report
     for word in ("layer", "type", "calls", "params", "output", "saved", "peak"):
         assert word in text
     assert "30 of 101" in " ".join(text.split())  # however the title is wrapped
-    assert len(_table_rows(text)) == 30
+    assert len(table_rows(text)) == 30
     assert "total (leaf layers)" in text
     assert "Iterations (4 recorded" in text
     assert "median iteration" in text
@@ -115,20 +103,20 @@ def test_totals_row_sums_leaf_layers(small_report: Report) -> None:
 
 
 def test_no_limits_show_every_layer(deep_report: Report) -> None:
-    rows = _table_rows(deep_report.format(top=None, max_depth=None))
+    rows = table_rows(deep_report.format(top=None, max_depth=None))
     assert [row[0] for row in rows] == [layer.name for layer in deep_report.layers]
     assert " of 101 shown" not in " ".join(deep_report.format(top=None).split())
 
 
 def test_max_depth_hides_deeper_layers(deep_report: Report) -> None:
     text = deep_report.format(max_depth=1, top=None)
-    names = [row[0] for row in _table_rows(text)]
+    names = [row[0] for row in table_rows(text)]
     shallow = [layer.name for layer in deep_report.layers if layer.depth <= 1]
     assert names == shallow
     assert len(names) == 26  # the root and its 25 blocks
     assert "depth <= 1" in " ".join(text.split())
     root_only = deep_report.format(max_depth=0, top=None)
-    assert [row[0] for row in _table_rows(root_only)] == ["Sequential"]
+    assert [row[0] for row in table_rows(root_only)] == ["Sequential"]
 
 
 def test_top_keeps_the_largest_footprints_in_call_order() -> None:
@@ -140,7 +128,7 @@ def test_top_keeps_the_largest_footprints_in_call_order() -> None:
     report = t.report()
     # The 4096-wide activation (64 * 4096 * 4 = 1 MiB, saved by the ReLU and the last Linear)
     # dominates: the root, "1", "2" and "3" all carry it, the small first Linear does not.
-    rows = _table_rows(report.format(top=4))
+    rows = table_rows(report.format(top=4))
     assert [row[0] for row in rows] == ["Sequential", "1", "2", "3"]
     assert report.layer("2").saved_bytes == MiB
     assert "1.0MiB" in report.format(top=4)
