@@ -8,21 +8,28 @@ import os
 import runpy
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from memsentry import __version__
 from memsentry.errors import MemsentryError
 from memsentry.units import format_bytes
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of at least {minimum}, got {value}"
+            )
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the text report to FILE instead of standard output")
     run.add_argument("--device", help="device to measure (default: the first module's device)")
     run.add_argument("--exact", action="store_true",
-                     help="exact peaks (CPU: count every storage, ~1.2x slower; CUDA: resets "
+                     help="exact peaks (CPU: count every storage, ~1.15x slower; CUDA: resets "
                           "the allocator's peak counter)")
-    run.add_argument("--top", type=_positive_int, default=30,
+    run.add_argument("--top", type=_at_least(1), default=30,
                      help="layers shown in the table, largest footprint first (default 30)")
-    run.add_argument("--depth", type=int, default=None,
+    run.add_argument("--depth", type=_at_least(0), default=None,
                      help="hide layers nested deeper than this (the root is depth 0)")
-    run.add_argument("--width", type=_positive_int, default=100,
+    run.add_argument("--width", type=_at_least(1), default=100,
                      help="terminal width the table is fitted to (default 100)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="run SCRIPT as a module name, like python -m")

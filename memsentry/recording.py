@@ -79,11 +79,15 @@ class LayerRecord:
         )
 
 
-def storage_bytes(tensors: list[torch.Tensor], seen: dict[int, int] | None = None) -> int:
+def storage_bytes(
+    tensors: list[torch.Tensor],
+    seen: dict[int, int] | None = None,
+    skip: set[int] | frozenset[int] = frozenset(),
+) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
 
     ``seen`` (storage pointer -> bytes) is updated when given, so callers can de-duplicate
-    across several calls.
+    across several calls; storages whose pointer is in ``skip`` are not counted.
     """
     seen = {} if seen is None else seen
     total = 0
@@ -93,7 +97,7 @@ def storage_bytes(tensors: list[torch.Tensor], seen: dict[int, int] | None = Non
         except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less tensors
             continue
         key = storage.data_ptr()
-        if key in seen:
+        if key in seen or key in skip:
             continue
         size = storage.nbytes()
         seen[key] = size

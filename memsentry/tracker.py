@@ -250,10 +250,7 @@ class Tracker:
                 self._last_counters = self._counters(self._backend)
             self._backend.stop()
         self._stack.clear()
-        for call in self._backward_pending:
-            for handle in call.handles:
-                handle.remove()
-        self._backward_pending.clear()
+        self._drop_backward_hooks(keep_running=False)
         self._backward_open.clear()
         self._registry.clear_modules()
         self._primary_optimizer = None
@@ -353,17 +350,11 @@ class Tracker:
         if self._state == "active" and self._backend is not None:
             if self._sample_in_ops:
                 self._sample()
-            if self._stack:
+            if self._stack:  # parameters and buffers saved by an op are not new memory
                 frame = self._stack[-1]
-                try:
-                    storage = tensor.untyped_storage()
-                    key = storage.data_ptr()
-                    if key not in frame.saved and key not in self._registry.static_storages:
-                        size = storage.nbytes()
-                        frame.saved[key] = size
-                        frame.saved_bytes += size
-                except (RuntimeError, NotImplementedError):
-                    pass
+                frame.saved_bytes += storage_bytes(
+                    [tensor], frame.saved, skip=self._registry.static_storages
+                )
         # A detached alias: saving the tensor itself would make a saved output reference its
         # own grad_fn (a cycle only the garbage collector frees).
         return tensor.detach(), tensor._version
@@ -407,14 +398,18 @@ class Tracker:
             self._finish_backward(call, allocated)
         self._backward_open.clear()
 
-    def _drop_backward_hooks(self) -> None:
+    def _drop_backward_hooks(self, *, keep_running: bool = True) -> None:
         """Remove the hooks of past calls, so that a graph node the user keeps across
-        iterations does not gather one more memsentry hook per iteration."""
+        iterations does not gather one more memsentry hook per iteration. Calls whose
+        backward is running keep theirs unless ``keep_running`` is off (at exit)."""
+        kept = []
         for call in self._backward_pending:
-            if call.state != 1:
-                for handle in call.handles:
-                    handle.remove()
-        self._backward_pending = [c for c in self._backward_pending if c.state == 1]
+            if keep_running and call.state == 1:
+                kept.append(call)
+                continue
+            for handle in call.handles:
+                handle.remove()
+        self._backward_pending = kept
 
     # -- iterations ----------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -507,7 +502,6 @@ class Tracker:
         else:  # the block's own record, read at exit
             allocated, reserved = self._last_allocated, self._last_reserved
             allocator_stats, nvml = self._last_counters
-        notes = list(backend.notes)
         report = Report(
             device=str(backend.device),
             backend=backend.name,
@@ -520,7 +514,7 @@ class Tracker:
             reserved=reserved,
             total_memory=backend.total_memory(),
             peak_mode=backend.peak_mode,
-            notes=tuple(notes),
+            notes=tuple(backend.notes),
             dropped_iterations=self._timeline.dropped,
             torch_version=torch.__version__,
             allocator_stats=allocator_stats,

@@ -326,3 +326,14 @@ def test_samples_leaky_grows_and_fixed_does_not(
     assert [f.rule for f in leaky.findings] == ["memory-growth"]
     assert leaky.findings[0].severity is memsentry.Severity.LEAK
     assert fixed.findings == ()
+
+
+@pytest.mark.parametrize("option", [["--depth", "-1"], ["--top", "0"], ["--width", "wide"]])
+def test_run_rejects_bad_table_options(
+    option: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write_script(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", *option, str(script)])
+    assert exited.value.code == 2
+    assert option[0] in capsys.readouterr().err
