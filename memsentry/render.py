@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tabulate import DataRow, TableFormat, tabulate
 
 from memsentry.report import IterationStats, LayerStats, Report
+from memsentry.rules.growth import growth_per_iteration
 from memsentry.units import format_bytes
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
@@ -120,16 +121,6 @@ def render_layers(report: Report, *, max_depth: int | None, top: int | None, wid
     return f"{title}\n{table}"
 
 
-def growth_per_iteration(iterations: Sequence[IterationStats], warmup: int = 1) -> float | None:
-    """Least-squares slope of allocated bytes over complete iterations after ``warmup``."""
-    points = [(it.index, it.allocated) for it in iterations if it.boundary != "exit"][warmup:]
-    if len(points) < 3:
-        return None
-    xs = [float(x) for x, _ in points]
-    ys = [float(y) for _, y in points]
-    return statistics.linear_regression(xs, ys).slope if len(set(xs)) > 1 else None
-
-
 def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
     its = report.iterations
     if not its:
@@ -157,7 +148,7 @@ def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
     if complete:
         median_s = statistics.median(it.seconds for it in complete)
         summary = f"median iteration {median_s * 1000:.1f} ms"
-        slope = growth_per_iteration(its)
+        slope = growth_per_iteration(its, warmup=1, at_least=3)
         if slope is not None:
             summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
             summary += " after the first iteration"

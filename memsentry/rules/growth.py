@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Sequence
 
 from memsentry.report import Finding, IterationStats, Report, Severity
 from memsentry.units import format_bytes
@@ -24,14 +25,25 @@ MIN_RATE = 1024
 MIN_RETAINED_SHARE = 0.5
 
 
+def growth_per_iteration(
+    iterations: Sequence[IterationStats], *, warmup: int, at_least: int = 2
+) -> float | None:
+    """Least-squares slope of allocated bytes (per iteration) over the complete iterations
+    after the first ``warmup``; ``None`` when fewer than ``at_least`` remain."""
+    its = [it for it in iterations if it.boundary != "exit"][warmup:]
+    if len(its) < max(at_least, 2):
+        return None
+    return statistics.linear_regression(
+        [float(it.index) for it in its], [float(it.allocated) for it in its]
+    ).slope
+
+
 def _steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
     """(bytes per iteration, share of rising steps) when ``its`` grow steadily, else None."""
     steps = [b.allocated - a.allocated for a, b in itertools.pairwise(its)]
     rising = sum(step > 0 for step in steps) / len(steps)
-    slope = statistics.linear_regression(
-        [float(it.index) for it in its], [float(it.allocated) for it in its]
-    ).slope
-    if rising < MIN_RISING_SHARE or slope < MIN_RATE:
+    slope = growth_per_iteration(its, warmup=0)
+    if slope is None or rising < MIN_RISING_SHARE or slope < MIN_RATE:
         return None
     gained = sum(step for step in steps if step > 0)
     if its[-1].allocated - its[0].allocated < MIN_RETAINED_SHARE * gained:
