@@ -182,6 +182,10 @@ class LayerRegistry:
     def freeze(self) -> tuple[LayerStats, ...]:
         return tuple(record.freeze() for record in self.records.values() if record.calls)
 
+    def modules(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of every module called so far that is still alive."""
+        return [(record.name, module) for module, record in list(self._by_module.items())]
+
     def clear_modules(self) -> None:
         """Forget every module (names and records stay), so nothing refers to them."""
         self._names = weakref.WeakKeyDictionary()

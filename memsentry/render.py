@@ -160,7 +160,8 @@ def render_findings(report: Report, *, width: int = 100) -> str:
     """Each finding: severity, rule id and message, then the fix, wrapped to ``width``."""
     lines = [f"Findings ({len(report.findings)})"]
     for finding in report.findings:
-        where = f" [{finding.where}]" if finding.where else ""
+        shown = finding.where and finding.where not in finding.message
+        where = f" [{finding.where}]" if shown else ""
         severity = str(finding.severity).upper()
         head = f"  {severity:5} {finding.rule}{where}: {finding.message}"
         lines.append(textwrap.fill(head, width, subsequent_indent="        "))

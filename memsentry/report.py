@@ -77,6 +77,9 @@ class IterationStats:
     ``allocated`` and ``reserved`` are read at the closing boundary; ``peak`` is the highest
     allocated seen inside the iteration; ``boundary`` says what closed it: ``"optimizer"``,
     ``"step"`` (``t.step()``) or ``"exit"`` (the end of the ``with`` block, a partial iteration).
+    ``data_seconds`` is the time from the iteration's start to its first module call (waiting
+    for data, moving it, zeroing gradients); ``batch`` is the first dimension of the first
+    tensor given to the outermost module (``None`` when no tensor was given).
     """
 
     index: int
@@ -86,6 +89,111 @@ class IterationStats:
     seconds: float
     boundary: str = "step"
     forward_calls: int = 0
+    data_seconds: float | None = None
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class HolderStats:
+    """Tensors reachable through one named holder at a census (see :class:`Census`).
+
+    ``name`` is how the user's code spells the holder (``total_loss``, ``self.history['loss']``,
+    ``Block.saved``, ``fc.weight.grad``); ``kind`` says what it is: ``"local"``, ``"global"``,
+    ``"class attribute"``, ``"model"`` or ``"gradient"``; ``scope`` where it lives (``train() in
+    train.py``); ``where`` the ``file:line`` of the statement that fills it, when found.
+    ``items`` is the length of the holder when it is a container. ``tensors`` and ``bytes`` count
+    the tensors under it (each storage once per census), ``modules`` the ``nn.Module`` objects
+    kept under it (their parameters are in ``bytes``); ``graph_tensors`` those carrying a
+    ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
+    ``graph_saved_bytes`` the tensors those nodes keep for backward.
+    """
+
+    name: str
+    kind: str
+    scope: str | None
+    where: str | None
+    items: int | None
+    tensors: int
+    bytes: int
+    graph_tensors: int = 0
+    graph_nodes: int = 0
+    graph_saved_bytes: int = 0
+    modules: int = 0
+
+
+@dataclass(frozen=True)
+class HookStats:
+    """User hooks registered on one module (or globally, ``module="<global>"``), memsentry's own
+    left out. ``hook`` names the newest hook function and ``where`` its definition."""
+
+    module: str
+    count: int
+    hook: str | None = None
+    where: str | None = None
+
+
+@dataclass(frozen=True)
+class GarbageStats:
+    """What the census's own garbage collection found: objects kept only by reference cycles.
+
+    ``objects`` and ``tensors`` count the unreachable objects found in the young generation,
+    ``bytes`` the storage of those tensors, ``freed`` the allocated memory the collection gave
+    back. ``types`` are the most frequent types among them (the cycle's members), most first.
+    ``gc_enabled`` is whether the automatic collector was on; ``full_collections`` and
+    ``full_freed`` count the automatic full collections since the previous census and the
+    memory they freed.
+    """
+
+    objects: int
+    tensors: int
+    bytes: int
+    freed: int
+    types: tuple[tuple[str, int], ...] = ()
+    gc_enabled: bool = True
+    full_collections: int = 0
+    full_freed: int = 0
+
+
+@dataclass(frozen=True)
+class Census:
+    """Who held tensors at one iteration boundary: taken after warm-up and then at growing
+    intervals, within a time budget. ``complete`` is false when the budget ran out first."""
+
+    iteration: int
+    seconds: float
+    complete: bool
+    objects: int
+    holders: tuple[HolderStats, ...] = ()
+    hooks: tuple[HookStats, ...] = ()
+    garbage: GarbageStats | None = None
+
+
+@dataclass(frozen=True)
+class UnusedGraph:
+    """Forward calls of an outermost module, run with autograd on, whose graph no backward ever
+    used. ``saved_bytes`` is the most one call saved for backward (``None`` when not measured),
+    ``eval_calls`` how many of the calls ran in ``eval()`` mode, ``where`` the caller's line."""
+
+    module: str
+    calls: int
+    eval_calls: int
+    saved_bytes: int | None
+    where: str | None = None
+    function: str | None = None
+
+
+def _census_from_dict(data: dict[str, Any]) -> Census:
+    garbage = data.get("garbage")
+    if garbage is not None:
+        garbage = GarbageStats(**{**garbage, "types": tuple(map(tuple, garbage["types"]))})
+    return Census(
+        **{
+            **data,
+            "holders": tuple(HolderStats(**h) for h in data.get("holders", ())),
+            "hooks": tuple(HookStats(**h) for h in data.get("hooks", ())),
+            "garbage": garbage,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -98,7 +206,9 @@ class Report:
     peak) or ``"exact"`` (every allocation counted). ``allocator_stats`` is the backend's raw
     counters when the report was made (``torch.cuda.memory_stats()`` on CUDA, glibc's
     ``mallinfo2`` fields on CPU); ``nvml`` is the driver's view of a CUDA device (used, total,
-    this process, utilisation) or why it is unavailable.
+    this process, utilisation) or why it is unavailable. ``censuses`` are the holder searches
+    made at iteration boundaries; ``unused_graphs`` the forward calls whose autograd graph no
+    backward used.
     """
 
     device: str
@@ -117,6 +227,8 @@ class Report:
     torch_version: str = ""
     allocator_stats: dict[str, Any] | None = None
     nvml: dict[str, Any] | None = None
+    censuses: tuple[Census, ...] = ()
+    unused_graphs: tuple[UnusedGraph, ...] = ()
 
     # -- lookups -------------------------------------------------------------------------
     def layer(self, name: str) -> LayerStats:
@@ -135,7 +247,7 @@ class Report:
         data["schema"] = SCHEMA_VERSION
         for finding in data["findings"]:
             finding["severity"] = str(finding["severity"].value)
-        for key in ("layers", "iterations", "findings", "notes"):
+        for key in ("layers", "iterations", "findings", "notes", "censuses", "unused_graphs"):
             data[key] = list(data[key])
         return data
 
@@ -158,6 +270,8 @@ class Report:
             Finding(**{**d, "severity": Severity(d["severity"])}) for d in data.get("findings", ())
         )
         values["notes"] = tuple(data.get("notes", ()))
+        values["censuses"] = tuple(_census_from_dict(d) for d in data.get("censuses", ()))
+        values["unused_graphs"] = tuple(UnusedGraph(**d) for d in data.get("unused_graphs", ()))
         return cls(**values)
 
     @classmethod

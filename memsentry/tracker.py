@@ -9,6 +9,8 @@ model computes.
 
 from __future__ import annotations
 
+import gc
+import sys
 import time
 import warnings
 import weakref
@@ -28,13 +30,54 @@ from torch.utils._pytree import tree_leaves
 
 from memsentry.backends import device_of_module, make_backend, nvml_query, parse_device
 from memsentry.backends.base import MemoryBackend
+from memsentry.census import garbage_census, is_machinery_frame, take_census
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
-from memsentry.report import IterationStats, Report, Severity
+from memsentry.report import Census, IterationStats, Report, Severity, UnusedGraph
 from memsentry.rules import analyse
+from memsentry.sources import short_path
 
 _MAX_PENDING_BACKWARD = 20_000
 _ON_LEAK = ("warn", "raise", "ignore")
+#: The first census comes after the warm-up iterations the rules leave out.
+_FIRST_CENSUS = 2
+
+
+def census_due(index: int) -> bool:
+    """Censuses at iterations 2, 3, 4 (three points decide a trend within five iterations),
+    then 6, 10, 18, 34, ...: doubling gaps, so a long run pays for a handful."""
+    if _FIRST_CENSUS <= index <= _FIRST_CENSUS + 2:
+        return True
+    gap = index - _FIRST_CENSUS
+    return gap >= 4 and gap & (gap - 1) == 0
+
+
+class _RootCall:
+    """An outermost module call made with autograd on, until a backward reaches its output."""
+
+    __slots__ = ("eval_mode", "function", "handles", "name", "saved", "used", "where")
+
+    def __init__(self, name: str, eval_mode: bool, saved: int | None) -> None:
+        self.name = name
+        self.eval_mode = eval_mode
+        self.saved = saved
+        self.used = False
+        self.handles: list[Any] = []
+        self.where: str | None = None
+        self.function: str | None = None
+
+    def mark_used(self, _grad_outputs: Any) -> None:
+        self.used = True
+
+
+def _caller() -> tuple[str | None, str | None]:
+    """``file:line`` and function of the innermost user frame."""
+    frame = sys._getframe(2)
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return None, None
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}", frame.f_code.co_name
 
 
 @dataclass(eq=False)
@@ -76,6 +119,13 @@ def _grad_nodes(tensors: list[torch.Tensor]) -> list[Any]:
 
 def _tensors(values: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _batch_size(args: Any) -> int | None:
+    for value in args if isinstance(args, tuple) else (args,):
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else None
+    return None
 
 
 class _SavedTensorVersionError(RuntimeError):
@@ -122,6 +172,8 @@ class Tracker:
         backward: bool = True,
         max_iterations: int = 10_000,
         on_leak: str = "warn",
+        holders: bool = True,
+        holder_budget: float = 0.5,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -129,13 +181,19 @@ class Tracker:
                 f"{type(model).__name__}; pass the model itself, e.g. track(model)"
             )
         for flag_name, flag in (("exact", exact), ("saved_tensors", saved_tensors),
-                                ("backward", backward)):
+                                ("backward", backward), ("holders", holders)):
             if not isinstance(flag, bool):
                 raise TypeError(f"track({flag_name}=...) takes True or False, got {flag!r}")
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
                 or max_iterations < 2:
             raise ValueError(
                 f"track(max_iterations=...) must be an int of at least 2, got {max_iterations!r}"
+            )
+        if isinstance(holder_budget, bool) or not isinstance(holder_budget, int | float) \
+                or not holder_budget > 0:
+            raise ValueError(
+                "track(holder_budget=...) is the seconds one holder search may take, a number "
+                f"above 0 (default 0.5), got {holder_budget!r}"
             )
         if on_leak not in _ON_LEAK:
             raise ValueError(
@@ -172,6 +230,15 @@ class Tracker:
         self._iter_calls = 0
         self._last_boundary = ""
         self._sample_in_ops = False
+        self._holders = holders
+        self._holder_budget = float(holder_budget)
+        self._censuses: list[Census] = []
+        self._census_errors: list[str] = []
+        self._gc_full = [0, 0, 0]  # collections, bytes freed, allocated at the start of one
+        self._root_calls: list[_RootCall] = []
+        self._unused: dict[str, UnusedGraph] = {}
+        self._iter_data: float | None = None
+        self._iter_batch: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -201,6 +268,8 @@ class Tracker:
                     register_module_forward_hook(self._post_forward, always_call=True)
                 )
             self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+            if self._holders:
+                gc.callbacks.append(self._gc_event)
             if self._saved_tensors:
                 self._saved_hooks = saved_tensors_hooks(self._pack, _unpack)
                 self._saved_hooks.__enter__()
@@ -240,6 +309,9 @@ class Tracker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._gc_event in gc.callbacks:
+            gc.callbacks.remove(self._gc_event)
+        self._settle_root_calls()
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -301,6 +373,10 @@ class Tracker:
         if parent is not None:
             parent.is_leaf = False
         allocated = self._sample()
+        if not self._iter_calls:
+            self._iter_data = time.perf_counter() - self._iter_start
+        if parent is None and self._iter_batch is None:
+            self._iter_batch = _batch_size(args)
         frame = _Frame(record, allocated, allocated)
         self._stack.append(frame)
         self._iter_calls += 1
@@ -337,6 +413,8 @@ class Tracker:
                 if key not in parent.saved:
                     parent.saved[key] = size
                     parent.saved_bytes += size
+        if not self._stack and torch.is_grad_enabled():
+            self._watch_root_call(module, record.name, frame, outputs)
         call = frame.backward
         if call is not None and torch.is_grad_enabled():
             # Outputs' nodes run once the gradient of the module's output is complete. An output
@@ -344,6 +422,39 @@ class Tracker:
             for node in _grad_nodes(outputs):
                 if id(node) not in call.input_nodes:
                     call.handles.append(node.register_prehook(self._opener(call)))
+
+    def _watch_root_call(self, module: nn.Module, name: str, frame: _Frame,
+                         outputs: list[torch.Tensor]) -> None:
+        """Watch an outermost call's output nodes: a forward whose graph no backward reaches
+        by the end of the iteration wasted what it saved (``missing-no-grad``)."""
+        nodes = _grad_nodes(outputs)
+        if not nodes:
+            return
+        call = _RootCall(name, not module.training,
+                         frame.saved_bytes if self._saved_tensors else None)
+        call.handles = [node.register_prehook(call.mark_used) for node in nodes]
+        call.where, call.function = _caller()
+        self._root_calls.append(call)
+
+    def _settle_root_calls(self) -> None:
+        for call in self._root_calls:
+            for handle in call.handles:
+                handle.remove()
+            if call.used:
+                continue
+            known = self._unused.get(call.name)
+            saved = call.saved
+            if known is not None and known.saved_bytes is not None and saved is not None:
+                saved = max(saved, known.saved_bytes)
+            self._unused[call.name] = UnusedGraph(
+                module=call.name,
+                calls=(known.calls if known else 0) + 1,
+                eval_calls=(known.eval_calls if known else 0) + call.eval_mode,
+                saved_bytes=saved,
+                where=(known.where if known and known.where else call.where),
+                function=(known.function if known and known.function else call.function),
+            )
+        self._root_calls.clear()
 
     # -- saved tensors -------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -455,15 +566,64 @@ class Tracker:
                 seconds=now - self._iter_start,
                 boundary=boundary,
                 forward_calls=self._iter_calls,
+                data_seconds=self._iter_data,
+                batch=self._iter_batch,
             )
         )
         self._overall_peak = max(self._overall_peak, self._iter_peak)
         self._drop_backward_hooks()
+        self._settle_root_calls()
+        if self._holders and boundary != "exit" and census_due(self._iter_index):
+            self._take_census()
+            now = time.perf_counter()  # the census's own time is not the loop's
+            allocated = self._sample()
         self._iter_index += 1
         self._iter_start = now
         self._iter_peak = allocated
         self._iter_calls = 0
+        self._iter_data = self._iter_batch = None
         self._last_boundary = boundary
+
+    # -- censuses ------------------------------------------------------------------------
+    def _gc_event(self, phase: str, info: dict[str, Any]) -> None:
+        """Measure what the interpreter's automatic full collections free (cycles' memory)."""
+        if info.get("generation") != 2 or self._backend is None or self._state != "active":
+            return
+        if phase == "start":
+            self._gc_full[2] = self._backend.allocated()
+        else:
+            self._gc_full[0] += 1
+            self._gc_full[1] += max(0, self._gc_full[2] - self._backend.allocated())
+
+    def _take_census(self) -> None:
+        backend = self._backend
+        assert backend is not None
+        collections, freed, _ = self._gc_full
+        self._gc_full = [0, 0, 0]
+        model = self._model_ref() if self._model_ref is not None else None
+        own = {handle.id for handle in self._handles if hasattr(handle, "id")}
+        try:
+            garbage = garbage_census(backend.allocated, collections, freed)
+            census = take_census(
+                self._iter_index,
+                frame=sys._getframe(1),
+                model=model,
+                modules=self._registry.modules(),
+                static=self._registry.static_storages,
+                own_hooks=own,
+                skip={id(self)},
+                budget=self._holder_budget,
+                garbage=garbage,
+            )
+        except Exception as exc:  # the user's loop must go on whatever the search meets
+            self._census_errors.append(
+                f"The holder search at iteration {self._iter_index} failed "
+                f"({type(exc).__name__}: {exc}); please report this to memsentry."
+            )
+            return
+        finally:
+            model = None
+        self._censuses.append(census)
 
     # -- results -------------------------------------------------------------------------
     @property
@@ -519,8 +679,27 @@ class Tracker:
             torch_version=torch.__version__,
             allocator_stats=allocator_stats,
             nvml=nvml,
+            censuses=tuple(self._censuses),
+            unused_graphs=self._unused_graphs(),
         )
+        notes = [*self._census_errors] + [
+            f"The holder search at iteration {c.iteration} stopped at its "
+            f"{self._holder_budget:g} s budget after {c.objects:,} objects; holders beyond "
+            "them were not examined (raise track(holder_budget=...))."
+            for c in self._censuses if not c.complete
+        ]
+        if notes:
+            report = replace(report, notes=report.notes + tuple(notes))
         return replace(report, findings=analyse(report))
+
+    def _unused_graphs(self) -> tuple[UnusedGraph, ...]:
+        """Settled unused graphs plus those of the running iteration that are still unused."""
+        unused = dict(self._unused)
+        for call in self._root_calls:
+            if not call.used and call.name not in unused:
+                unused[call.name] = UnusedGraph(call.name, 1, int(call.eval_mode), call.saved,
+                                                call.where, call.function)
+        return tuple(unused.values())
 
 
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.

@@ -322,9 +322,17 @@ def test_samples_leaky_grows_and_fixed_does_not(
     assert leaky_growth > 8 * 256 * 1024
     assert fixed_growth < 8 * 16 * 1024
     assert leaky_growth > 10 * fixed_growth
-    # The heuristics engine names the growth in the leaky run only.
-    assert [f.rule for f in leaky.findings] == ["memory-growth"]
-    assert leaky.findings[0].severity is memsentry.Severity.LEAK
+    # The heuristics engine names both leaks and the missing no_grad in the leaky run, with
+    # the variables and lines; the fixed run has nothing to say.
+    found = {f.rule: f for f in leaky.findings}
+    assert sorted(found) == ["missing-no-grad", "retained-graph", "tensor-accumulation"]
+    assert found["retained-graph"].severity is memsentry.Severity.LEAK
+    assert "`running_loss`" in found["retained-graph"].message
+    assert (found["retained-graph"].where or "").endswith("train_leaky.py:26")
+    assert "`val_logits`" in found["tensor-accumulation"].message
+    assert (found["tensor-accumulation"].where or "").endswith("train_leaky.py:29")
+    assert found["missing-no-grad"].severity is memsentry.Severity.WASTE
+    assert "`Classifier`" in found["missing-no-grad"].message
     assert fixed.findings == ()
 
 

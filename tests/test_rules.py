@@ -1,4 +1,6 @@
-"""The heuristics engine: leaks found with the right rule, not-a-leak cases left alone."""
+"""The heuristics engine: the ``memory-growth`` rule on its own (holder search off), how cause
+rules replace it, ``on_leak`` and the text of findings. The field guide's patterns, with the
+holder search on, are in test_scenarios.py."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from memsentry.rules.growth import MIN_ITERATIONS, WARMUP
 MiB = 1 << 20
 
 
-def _loop(steps: int, body, *, on_leak: str = "ignore") -> memsentry.Report:
-    """Run ``body(step)`` in a tracked SGD loop of a small MLP; one optimizer step each."""
+def _loop(steps: int, body, *, on_leak: str = "ignore", holders: bool = False
+          ) -> memsentry.Report:
+    """Run ``body(step)`` in a tracked Adam loop of a small MLP; one optimizer step each."""
     torch.manual_seed(0)
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 16), torch.randn(32, 4)
-    with memsentry.track(model, on_leak=on_leak) as t:
+    with memsentry.track(model, on_leak=on_leak, holders=holders) as t:
         for step in range(steps):
             loss = (model(x) - y).pow(2).mean()
             loss.backward()
@@ -53,6 +56,19 @@ def test_a_list_gaining_a_mib_per_iteration_is_a_memory_growth_leak() -> None:
     # The text report shows findings before the tables.
     text = str(report)
     assert text.index("memory-growth") < text.index("Layers")
+
+
+def test_a_cause_rule_replaces_memory_growth() -> None:
+    # The same leak with the holder search on: reported once, under its cause, naming `kept`.
+    kept: list[torch.Tensor] = []
+    report = _loop(12, lambda step, loss, model, x: kept.append(torch.ones(MiB // 4)),
+                   holders=True)
+    (finding,) = _leaks(report)
+    assert finding.rule == "tensor-accumulation"
+    assert "`kept`" in finding.message
+    assert finding.rate is not None and 0.9 * MiB <= finding.rate <= 1.1 * MiB
+    # analyse() on the growth rule alone still sees the growth.
+    assert [f.rule for f in analyse(report, rules=["memory-growth"])] == ["memory-growth"]
 
 
 def test_the_leak_is_reported_within_warmup_plus_five_iterations() -> None:
@@ -139,7 +155,7 @@ def test_too_few_iterations_are_not_judged() -> None:
 def _leaky_block(on_leak: str) -> None:
     kept: list[torch.Tensor] = []
     model = nn.Linear(8, 8)
-    with memsentry.track(model, on_leak=on_leak) as t:
+    with memsentry.track(model, on_leak=on_leak, holders=False) as t:
         for _ in range(10):
             model(torch.randn(4, 8))
             kept.append(torch.ones(MiB // 4))
@@ -147,7 +163,7 @@ def _leaky_block(on_leak: str) -> None:
 
 
 def test_on_leak_warn_is_the_default_and_names_the_rule() -> None:
-    with pytest.warns(memsentry.LeakWarning, match="memory-growth"):
+    with pytest.warns(memsentry.LeakWarning, match="tensor-accumulation: `kept`"):
         kept: list[torch.Tensor] = []
         model = nn.Linear(8, 8)
         with memsentry.track(model) as t:
@@ -168,7 +184,7 @@ def test_on_leak_raise_does_not_hide_the_blocks_own_exception() -> None:
     model = nn.Linear(8, 8)
     with pytest.raises(KeyError), warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        with memsentry.track(model, on_leak="raise") as t:
+        with memsentry.track(model, on_leak="raise", holders=False) as t:
             for _ in range(10):
                 model(torch.randn(4, 8))
                 kept.append(torch.ones(MiB // 4))

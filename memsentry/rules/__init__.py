@@ -1,7 +1,9 @@
 """The heuristics engine: rules are pure functions of a recorded :class:`~memsentry.Report`.
 
 Each rule has a stable id (part of the public API) and returns findings. ``analyse`` runs
-them all and orders the findings: leaks first, then waste, then hints; larger first.
+them all and orders the findings: leaks first, then waste, then hints; larger first. A
+``memory-growth`` finding is dropped when the rules that name a cause explain the growth:
+a leak is reported once, under its cause.
 """
 
 from __future__ import annotations
@@ -9,16 +11,47 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from memsentry.report import Finding, Report, Severity
+from memsentry.rules.cycles import reference_cycle
+from memsentry.rules.device import allocator_fragmentation, memory_headroom, non_pytorch_memory
 from memsentry.rules.growth import memory_growth
+from memsentry.rules.holders import retained_graph, tensor_accumulation
+from memsentry.rules.hooks import hook_accumulation
+from memsentry.rules.nograd import missing_no_grad
+from memsentry.rules.timing import input_bound
 
 Rule = Callable[[Report], list[Finding]]
 
 #: Every rule by its id, in the order they run.
 RULES: dict[str, Rule] = {
+    "retained-graph": retained_graph,
+    "tensor-accumulation": tensor_accumulation,
+    "hook-accumulation": hook_accumulation,
+    "reference-cycle": reference_cycle,
     "memory-growth": memory_growth,
+    "missing-no-grad": missing_no_grad,
+    "allocator-fragmentation": allocator_fragmentation,
+    "non-pytorch-memory": non_pytorch_memory,
+    "input-bound": input_bound,
+    "memory-headroom": memory_headroom,
 }
 
+#: Rules whose LEAK findings name what makes memory grow.
+CAUSES = frozenset({"retained-graph", "tensor-accumulation", "hook-accumulation",
+                    "reference-cycle"})
+#: Share of the measured growth the causes must account for to replace ``memory-growth``.
+EXPLAINED_SHARE = 0.5
+
 _SEVERITY_ORDER = {Severity.LEAK: 0, Severity.WASTE: 1, Severity.HINT: 2}
+
+
+def _explained(growth: Finding, causes: list[Finding]) -> bool:
+    """Causes explain a growth unless every one has a known rate and together they account
+    for less than half of it (then something else grows too)."""
+    if not causes:
+        return False
+    if any(cause.rate is None for cause in causes) or growth.rate is None:
+        return True
+    return sum(cause.rate or 0.0 for cause in causes) >= EXPLAINED_SHARE * growth.rate
 
 
 def analyse(report: Report, rules: Sequence[str] | None = None) -> tuple[Finding, ...]:
@@ -27,8 +60,12 @@ def analyse(report: Report, rules: Sequence[str] | None = None) -> tuple[Finding
     if unknown:
         raise ValueError(f"unknown rule id(s) {unknown}; known rules: {sorted(RULES)}")
     findings = [f for rule_id in (rules or RULES) for f in RULES[rule_id](report)]
+    causes = [f for f in findings if f.rule in CAUSES and f.severity is Severity.LEAK]
+    findings = [
+        f for f in findings if not (f.rule == "memory-growth" and _explained(f, causes))
+    ]
     findings.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], -(f.bytes or 0)))
     return tuple(findings)
 
 
-__all__ = ["RULES", "Rule", "analyse"]
+__all__ = ["CAUSES", "RULES", "Rule", "analyse"]

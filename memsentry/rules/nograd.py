@@ -1,0 +1,47 @@
+"""``missing-no-grad``: forward passes whose autograd graph no backward used."""
+
+from __future__ import annotations
+
+from memsentry.report import Finding, Report, Severity
+from memsentry.units import format_bytes
+
+RULE_ID = "missing-no-grad"
+
+
+def missing_no_grad(report: Report) -> list[Finding]:
+    """An outermost module ran with autograd on and no backward reached its output by the end
+    of the iteration: evaluation or inference without ``torch.no_grad()``. Everything its ops
+    saved for backward was kept for nothing, raising the peak (``eval()`` does not turn
+    autograd off)."""
+    findings = []
+    for unused in report.unused_graphs:
+        if unused.saved_bytes == 0:
+            continue  # nothing saved, nothing wasted
+        caller = ""
+        if unused.function and unused.function != "<module>" and unused.where:
+            caller = f" from {unused.function}() at {unused.where}"
+        elif unused.where:
+            caller = f" at {unused.where}"
+        mode = (
+            f"{unused.eval_calls:,} of them in eval() mode" if unused.eval_calls
+            else "in train() mode"
+        )
+        message = (
+            f"`{unused.module}` ran {unused.calls:,} forward passes with autograd on{caller} "
+            f"({mode}) whose graphs no backward used"
+        )
+        if unused.saved_bytes is not None:
+            message += (
+                f"; each kept up to {format_bytes(unused.saved_bytes)} saved for backward "
+                "for nothing, on top of the peak"
+            )
+        fix = (
+            "run evaluation and inference under `with torch.no_grad():` (or "
+            "`torch.inference_mode()`); `model.eval()` only switches dropout and batch norm, "
+            "it leaves autograd on"
+        )
+        findings.append(
+            Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
+                    bytes=unused.saved_bytes, rate=None, where=unused.where or unused.module)
+        )
+    return findings

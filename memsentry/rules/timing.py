@@ -1,0 +1,40 @@
+"""``input-bound``: the loop waits for data longer than it computes."""
+
+from __future__ import annotations
+
+import statistics
+
+from memsentry.report import Finding, Report, Severity
+from memsentry.rules.growth import WARMUP
+
+RULE_ID = "input-bound"
+#: Iterations after warm-up needed to judge.
+MIN_ITERATIONS = 4
+#: Waits shorter than this are Python overhead, not a data problem.
+MIN_WAIT = 0.001
+
+
+def input_bound(report: Report) -> list[Finding]:
+    """The median time from an iteration's start (the previous optimizer step or ``t.step()``)
+    to its first module call exceeds the median time from there to the iteration's end."""
+    its = [it for it in report.iterations
+           if it.boundary != "exit" and it.data_seconds is not None][WARMUP:]
+    if len(its) < MIN_ITERATIONS:
+        return []
+    wait = statistics.median(it.data_seconds or 0.0 for it in its)
+    compute = statistics.median(it.seconds - (it.data_seconds or 0.0) for it in its)
+    if wait < MIN_WAIT or wait <= compute:
+        return []
+    share = wait / (wait + compute)
+    message = (
+        f"the loop waits {wait * 1e3:.1f} ms per iteration before its first forward (loading, "
+        f"collating and moving the batch) against {compute * 1e3:.1f} ms of forward, "
+        f"backward and step (medians of {len(its)} iterations): the model idles "
+        f"{share:.0%} of the time"
+    )
+    fix = (
+        "load in parallel: DataLoader(..., num_workers=N, pin_memory=True, "
+        "persistent_workers=True, prefetch_factor=2), copy with .to(device, non_blocking=True), "
+        "and move per-sample work (decoding, augmentation) out of the training process"
+    )
+    return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix)]

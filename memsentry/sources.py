@@ -1,0 +1,142 @@
+"""Find, in the user's source, the statement that fills a holder: ``total += loss``,
+``outs.append(y)``, ``self.history[k] = v``, ``layer.register_forward_hook(fn)``.
+
+Findings name a ``file:line``; the line where a frame happens to stand (``opt.step()``) says
+little, the line that accumulates says what to change. Files are parsed once (cached by
+path and modification time); nothing here raises.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+
+#: Calls that grow a container in place.
+_GROWING_METHODS = frozenset(
+    {"append", "extend", "insert", "add", "update", "appendleft", "extendleft", "setdefault",
+     "__setitem__", "put", "push", "log", "record"}
+)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(path: str, mtime: float | None) -> ast.Module | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return ast.parse(handle.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _tree(path: str) -> ast.Module | None:
+    return _parse(path, _mtime(path))
+
+
+def _enclosing(tree: ast.Module, first_line: int | None) -> ast.AST:
+    """The function starting at ``first_line`` (a code object's ``co_firstlineno``, which
+    counts decorators), or the whole module."""
+    if first_line is None:
+        return tree
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if start == first_line:
+                return node
+    return tree
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Identifiers used in an expression: names and attribute names."""
+    found: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            found.add(sub.attr)
+    return found
+
+
+def _spells(target: ast.AST, name: str) -> bool:
+    """``target`` is ``name``, ``<x>.name`` or a subscript of either."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    if isinstance(target, ast.Name):
+        return target.id == name
+    return isinstance(target, ast.Attribute) and target.attr == name
+
+
+def _score(node: ast.AST, name: str) -> int:
+    """How surely ``node`` is the statement that makes ``name`` grow: 3 for accumulation
+    (``+=``, ``x = x + ...``, ``x.append(...)``, ``x[k] = ...``), 1 for a plain binding."""
+    if isinstance(node, ast.AugAssign) and _spells(node.target, name):
+        return 3
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if isinstance(target, ast.Subscript) and _spells(target, name):
+                return 3
+            if _spells(target, name):
+                value = node.value
+                return 3 if value is not None and name in _names(value) else 1
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in _GROWING_METHODS and _spells(node.func.value, name):
+            return 3
+    return 0
+
+
+def growth_line(path: str | None, name: str, *, function_line: int | None = None) -> int | None:
+    """The line in ``path`` (inside the function starting at ``function_line`` when given)
+    that most likely makes ``name`` grow; ``None`` when there is none or the file is unreadable.
+    """
+    if not path:
+        return None
+    return _growth_line(path, _mtime(path), name, function_line)
+
+
+@functools.lru_cache(maxsize=1024)
+def _growth_line(path: str, mtime: float | None, name: str, function_line: int | None
+                 ) -> int | None:
+    tree = _parse(path, mtime)
+    if tree is None:
+        return None
+    scope = _enclosing(tree, function_line)
+    best, line = 0, None
+    for node in ast.walk(scope):
+        score = _score(node, name)
+        lineno = getattr(node, "lineno", None)
+        if lineno is None:
+            continue
+        if score > best or (score == best and score and line is not None and lineno < line):
+            best, line = score, lineno
+    return line
+
+
+def call_line(path: str | None, method: str, argument: str | None = None) -> int | None:
+    """The first line in ``path`` calling ``.method(...)`` (with ``argument`` among the
+    names it is passed, when given)."""
+    tree = _tree(path) if path else None
+    if tree is None:
+        return None
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == method:
+            if argument is None or any(argument in _names(arg) for arg in node.args):
+                lines.append(node.lineno)
+    return min(lines) if lines else None
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when inside it, else as it is."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if relative.startswith("..") else relative
