@@ -164,6 +164,15 @@ class _Budget:
         return self.exhausted
 
 
+def _atomic(obj: Any) -> bool:
+    """Nothing to find inside (numbers, strings, dtypes) or nothing safe to look at (a weak
+    proxy whose object is gone raises on any access)."""
+    try:
+        return isinstance(obj, _ATOMS)
+    except Exception:
+        return True
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
     try:
         storage = tensor.untyped_storage()
@@ -221,7 +230,7 @@ class _Walk:
 
     def add_root(self, obj: Any, name: str, kind: str, scope: str | None,
                  hint: tuple[str, tuple[str, ...], int | None, int | None]) -> None:
-        if id(obj) in self.seen or isinstance(obj, _ATOMS):
+        if id(obj) in self.seen or _atomic(obj):
             return
         self.queue.append(_Item(obj, name, kind, scope, hint, 0, False))
 
@@ -288,7 +297,7 @@ class _Walk:
         files = item.hint[1]
         source = _source_file(cls) if cls.__module__ != "builtins" else None
         for segment, child, positional in _children(obj):
-            if isinstance(child, _ATOMS) or id(child) in self.seen:
+            if id(child) in self.seen or _atomic(child):
                 continue
             if item.frozen or positional:
                 self.queue.append(
@@ -314,7 +323,7 @@ class _Walk:
                 continue
             source = _source_file(klass)
             for name, value in list(vars(klass).items()):
-                if name.startswith("__") or isinstance(value, _ATOMS) or isinstance(value, _OPAQUE):
+                if name.startswith("__") or _atomic(value) or isinstance(value, _OPAQUE):
                     continue
                 self.add_root(value, f"{klass.__qualname__}.{name}", "class attribute",
                               f"class {klass.__qualname__}",
@@ -431,6 +440,7 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
     found = gc.garbage[start:]
     del gc.garbage[start:]
     counts: collections.Counter[str] = collections.Counter()
+    users: set[str] = set()
     tensors = size = 0
     storages: set[tuple[str, int]] = set()
     for obj in found:
@@ -440,14 +450,20 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
             if key is not None and key[0] not in storages:
                 storages.add(key[0])
                 size += key[1]
-        counts[type(obj).__qualname__] += 1
+        name = type(obj).__qualname__
+        counts[name] += 1
+        if name not in users and _is_user_class(type(obj)):
+            users.add(name)
     objects = len(found)
     found.clear()
     del found
     gc.collect(1)
     freed = max(0, before - sample())
-    named = [(t, n) for t, n in counts.most_common() if t not in _GENERIC]
-    named += [(t, n) for t, n in counts.most_common() if t in _GENERIC]
+    # The user's own classes first (the cycle's likely author), then library types.
+    ranked = counts.most_common()
+    named = [(t, n) for t, n in ranked if t in users]
+    named += [(t, n) for t, n in ranked if t not in users and t not in _GENERIC]
+    named += [(t, n) for t, n in ranked if t in _GENERIC]
     return GarbageStats(
         objects=objects, tensors=tensors, bytes=size, freed=freed, types=tuple(named[:6]),
         gc_enabled=gc.isenabled(), full_collections=full_collections, full_freed=full_freed,
@@ -525,7 +541,8 @@ def take_census(
         namespaces.setdefault(id(vars(module)), (vars(module), module.__name__, module.__file__))
     for namespace, module_name, path in namespaces.values():
         for name, value in list(namespace.items()):
-            if not name.startswith("__") and not isinstance(value, _OPAQUE):
+            if not name.startswith("__") and not _atomic(value) \
+                    and not isinstance(value, _OPAQUE):
                 scope = short_path(path) if module_name == "__main__" and path \
                     else f"module {module_name}"
                 walk.add_root(value, name, "global", scope,

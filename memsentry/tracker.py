@@ -233,6 +233,7 @@ class Tracker:
         self._holders = holders
         self._holder_budget = float(holder_budget)
         self._censuses: list[Census] = []
+        self._own = 0  # allocated memory the censuses added (their records) or freed (gc)
         self._census_errors: list[str] = []
         self._gc_full = [0, 0, 0]  # collections, bytes freed, allocated at the start of one
         self._root_calls: list[_RootCall] = []
@@ -349,6 +350,9 @@ class Tracker:
     # -- sampling ------------------------------------------------------------------------
     def _sample(self) -> int:
         allocated, peak = self._backend.sample()  # type: ignore[union-attr]
+        if self._own:  # what the censuses kept or freed is not the program's memory
+            allocated -= self._own
+            peak = None if peak is None else peak - self._own
         high = allocated if peak is None or peak < allocated else peak
         if high > self._iter_peak:
             self._iter_peak = high
@@ -602,6 +606,7 @@ class Tracker:
         self._gc_full = [0, 0, 0]
         model = self._model_ref() if self._model_ref is not None else None
         own = {handle.id for handle in self._handles if hasattr(handle, "id")}
+        before = backend.allocated()
         try:
             garbage = garbage_census(backend.allocated, collections, freed)
             census = take_census(
@@ -624,6 +629,7 @@ class Tracker:
         finally:
             model = None
         self._censuses.append(census)
+        self._own += backend.allocated() - before
 
     # -- results -------------------------------------------------------------------------
     @property

@@ -2,8 +2,8 @@
 
 Each rule has a stable id (part of the public API) and returns findings. ``analyse`` runs
 them all and orders the findings: leaks first, then waste, then hints; larger first. A
-``memory-growth`` finding is dropped when the rules that name a cause explain the growth:
-a leak is reported once, under its cause.
+``memory-growth`` finding is dropped when a rule that names a cause reports: a leak is
+reported once, under its cause.
 """
 
 from __future__ import annotations
@@ -35,23 +35,19 @@ RULES: dict[str, Rule] = {
     "memory-headroom": memory_headroom,
 }
 
-#: Rules whose LEAK findings name what makes memory grow.
+#: Rules that name what makes memory grow: once one of them reports, the growth is theirs.
 CAUSES = frozenset({"retained-graph", "tensor-accumulation", "hook-accumulation",
                     "reference-cycle"})
-#: Share of the measured growth the causes must account for to replace ``memory-growth``.
-EXPLAINED_SHARE = 0.5
 
 _SEVERITY_ORDER = {Severity.LEAK: 0, Severity.WASTE: 1, Severity.HINT: 2}
 
 
-def _explained(growth: Finding, causes: list[Finding]) -> bool:
-    """Causes explain a growth unless every one has a known rate and together they account
-    for less than half of it (then something else grows too)."""
-    if not causes:
-        return False
-    if any(cause.rate is None for cause in causes) or growth.rate is None:
-        return True
-    return sum(cause.rate or 0.0 for cause in causes) >= EXPLAINED_SHARE * growth.rate
+def _is_cause(finding: Finding) -> bool:
+    """A cause of growth: a LEAK of a cause rule, or reference cycles at any severity (memory
+    that waits for the collector rises between its runs)."""
+    return finding.rule in CAUSES and (
+        finding.severity is Severity.LEAK or finding.rule == "reference-cycle"
+    )
 
 
 def analyse(report: Report, rules: Sequence[str] | None = None) -> tuple[Finding, ...]:
@@ -60,10 +56,8 @@ def analyse(report: Report, rules: Sequence[str] | None = None) -> tuple[Finding
     if unknown:
         raise ValueError(f"unknown rule id(s) {unknown}; known rules: {sorted(RULES)}")
     findings = [f for rule_id in (rules or RULES) for f in RULES[rule_id](report)]
-    causes = [f for f in findings if f.rule in CAUSES and f.severity is Severity.LEAK]
-    findings = [
-        f for f in findings if not (f.rule == "memory-growth" and _explained(f, causes))
-    ]
+    if any(_is_cause(f) for f in findings):
+        findings = [f for f in findings if f.rule != "memory-growth"]
     findings.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], -(f.bytes or 0)))
     return tuple(findings)
 

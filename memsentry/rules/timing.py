@@ -11,7 +11,7 @@ RULE_ID = "input-bound"
 #: Iterations after warm-up needed to judge.
 MIN_ITERATIONS = 4
 #: Waits shorter than this are Python overhead, not a data problem.
-MIN_WAIT = 0.001
+MIN_WAIT = 0.005
 
 
 def input_bound(report: Report) -> list[Finding]:

@@ -1,0 +1,587 @@
+"""The field guide's patterns (``../shared/leak-patterns.md``) as real, small training loops.
+
+Each scenario runs a loop under ``memsentry.track`` for a given number of iterations and
+returns the report; :data:`SCENARIOS` says what memsentry must conclude: the rule, the
+severity and the holder the finding must name, or, for the not-a-leak cases, that no LEAK is
+reported. The tests (test_scenarios.py) and the detection benchmark use the same table.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+import memsentry
+from memsentry.rules.growth import WARMUP
+
+#: Iterations each scenario runs by default: the warm-up plus five, the detection promise.
+STEPS = WARMUP + 5
+
+
+class Classifier(nn.Module):
+    """A small two-part classifier: named parts make readable holder and module names."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def _setup(seed: int = 0) -> tuple[Classifier, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Classifier()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _batch(size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 32), torch.randint(0, 10, (size,))
+
+
+@contextmanager
+def _gc(enabled: bool, threshold: int | None = None) -> Iterator[None]:
+    was_enabled, old = gc.isenabled(), gc.get_threshold()
+    gc.disable() if not enabled else gc.enable()
+    if threshold is not None:
+        gc.set_threshold(threshold)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.enable() if was_enabled else gc.disable()
+        gc.collect()
+
+
+# -- leaks ---------------------------------------------------------------------------------------
+def loss_summed_as_tensor(steps: int) -> memsentry.Report:
+    """#1: ``total_loss += loss`` after backward: only autograd nodes pile up."""
+    model, opt = _setup()
+    total_loss = torch.zeros(())
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total_loss += loss
+    return t.report()
+
+
+def loss_summed_without_tracking_a_model(steps: int) -> memsentry.Report:
+    """#1 with global module hooks (``track()`` without a model)."""
+    model, opt = _setup()
+    running = 0.0
+    with memsentry.track(on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            running = running + loss
+    return t.report()
+
+
+def validation_loss_summed(steps: int) -> memsentry.Report:
+    """#1 without backward: an evaluation sum keeps every batch's activations."""
+    model, _ = _setup()
+    model.eval()
+    val_total = torch.zeros(())
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch(256)
+            val_total = val_total + nn.functional.cross_entropy(model(x), y)
+            t.step()
+    return t.report()
+
+
+def outputs_kept_with_graph(steps: int) -> memsentry.Report:
+    """#2: outputs appended for an epoch-end metric, graph and all."""
+    model, opt = _setup()
+    epoch_outputs = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            epoch_outputs.append(model(x))  # a second forward, kept with its graph
+    return t.report()
+
+
+def detached_features_kept(steps: int) -> memsentry.Report:
+    """#3: a growing list of detached tensors: no graph, still a leak."""
+    model, opt = _setup()
+    features = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            hidden = model.encoder(x)
+            loss = nn.functional.cross_entropy(model.head(hidden), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            features.append(hidden.detach())
+    return t.report()
+
+
+def rnn_hidden_not_detached(steps: int) -> memsentry.Report:
+    """#4: truncated BPTT that never detaches the hidden state."""
+    torch.manual_seed(0)
+    rnn = nn.GRU(16, 32, batch_first=True)
+    opt = torch.optim.SGD(rnn.parameters(), lr=0.01)
+    hidden = torch.zeros(1, 8, 32)
+    with memsentry.track(rnn, on_leak="ignore") as t:
+        for _ in range(steps):  # one long sequence in chunks; t.step() marks each chunk
+            chunk = torch.randn(8, 10, 16)
+            out, hidden = rnn(chunk, hidden)
+            out.pow(2).mean().backward(retain_graph=True)  # reaches back to the first chunk
+            t.step()
+        opt.step()  # stepping inside would fail: the old graph saved the weights
+    return t.report()
+
+
+def grad_with_create_graph(steps: int) -> memsentry.Report:
+    """#5: ``backward(create_graph=True)`` and gradients never reset."""
+    model, opt = _setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PyTorch warns of this very cycle
+        with memsentry.track(model, on_leak="ignore") as t:
+            for _ in range(steps):
+                x, y = _batch()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward(create_graph=True)
+                opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return t.report()
+
+
+class Node:
+    """Two of these point at each other: a reference cycle that owns a tensor."""
+
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload = payload
+        self.partner: Node | None = None
+
+
+def _cycle_loop(steps: int) -> memsentry.Report:
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            a, b = Node(torch.ones(64 * 1024)), Node(torch.ones(64 * 1024))
+            a.partner, b.partner = b, a
+            del a, b
+    return t.report()
+
+
+def cycles_with_gc_disabled(steps: int) -> memsentry.Report:
+    """#6 with ``gc.disable()`` in the host application: nothing ever frees the cycles."""
+    with _gc(enabled=False):
+        return _cycle_loop(steps)
+
+
+def cycles_with_rare_collections(steps: int) -> memsentry.Report:
+    """#6 with the collector on but rarely running: memory waits for it (a sawtooth)."""
+    with _gc(enabled=True, threshold=1_000_000):
+        return _cycle_loop(steps)
+
+
+class Trial:
+    """#7: a scheduler lambda capturing ``self``: each trial object is a cycle."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.lr = 0.01
+        self.opt = torch.optim.SGD(model.parameters(), lr=self.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda epoch: self.lr)
+        self.scratch = torch.zeros(64 * 1024)
+
+
+def closures_capturing_self(steps: int) -> memsentry.Report:
+    """#7: one Trial per iteration, each kept alive by its own closure until gc runs."""
+    model, opt = _setup()
+    with _gc(enabled=False), memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            trial = Trial(model)
+            x, y = _batch()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            del trial
+    return t.report()
+
+
+def log_activation(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    output.detach().abs().mean()
+
+
+def hooks_registered_every_step(steps: int) -> memsentry.Report:
+    """#8: a forward hook registered inside the loop, its handle dropped."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            model.head.register_forward_hook(log_activation)
+            x, y = _batch()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+class ScaleOnCtx(torch.autograd.Function):
+    """#9: the output stored as an attribute of ctx instead of ``save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        ctx.y = y
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+def ctx_attribute_cycle(steps: int) -> memsentry.Report:
+    """#9: each call's output and ctx point at each other; with gc off they stay."""
+    model, opt = _setup()
+    with _gc(enabled=False), memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = ScaleOnCtx.apply(model(x))
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            del logits
+    return t.report()
+
+
+class MetricLogger:
+    """A stand-in for a third-party logger that keeps whatever it is given."""
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[object]] = collections.defaultdict(list)
+
+    def log(self, values: dict[str, object]) -> None:
+        for key, value in values.items():
+            self.history[key].append(value)
+
+
+def tensors_given_to_a_logger(steps: int) -> memsentry.Report:
+    """#10: ``logger.log({"loss": loss})`` with the tensor, not ``loss.item()``."""
+    model, opt = _setup()
+    logger = MetricLogger()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            logger.log({"loss": loss, "logits": logits})
+    return t.report()
+
+
+class CachingBlock(nn.Module):
+    """#11: activations appended to a class attribute in forward."""
+
+    cache: ClassVar[list[torch.Tensor]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        CachingBlock.cache.append(y)
+        return y
+
+
+def class_attribute_cache(steps: int) -> memsentry.Report:
+    """#11, list form: grows every forward."""
+    torch.manual_seed(0)
+    model = CachingBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        with memsentry.track(model, on_leak="ignore") as t:
+            for _ in range(steps):
+                x, y = _batch()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return t.report()
+    finally:
+        CachingBlock.cache.clear()
+
+
+class LastOutput(nn.Module):
+    """#11, single attribute: ``self.last = y`` pins one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 10)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        self.last = y
+        return y
+
+
+def module_attribute_pins_a_graph(steps: int) -> memsentry.Report:
+    torch.manual_seed(0)
+    model = LastOutput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+def models_kept_per_trial(steps: int) -> memsentry.Report:
+    """#12: a hyperparameter search that keeps every trained model in its results."""
+    torch.manual_seed(0)
+    results = []
+    with memsentry.track(on_leak="ignore") as t:
+        for trial in range(steps // 2):
+            model = Classifier()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01 * (trial + 1))
+            for _ in range(2):
+                x, y = _batch()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            results.append((opt.param_groups[0]["lr"], loss.item(), model))
+            del model, opt
+    return t.report()
+
+
+# -- waste ---------------------------------------------------------------------------------------
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """An evaluation pass that forgot torch.no_grad()."""
+    model.eval()
+    correct = 0
+    for x, y in batches:
+        correct += int((model(x).argmax(-1) == y).sum())
+    model.train()
+    return correct
+
+
+def eval_without_no_grad(steps: int) -> memsentry.Report:
+    """#14: ``model.eval()`` without ``torch.no_grad()``."""
+    model, opt = _setup()
+    val = [_batch(256) for _ in range(2)]
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            evaluate(model, val)
+    return t.report()
+
+
+# -- not leaks -----------------------------------------------------------------------------------
+def clean_loop_with_adam(steps: int) -> memsentry.Report:
+    """#26: Adam creates its state in the first step; locals live to the next iteration."""
+    torch.manual_seed(0)
+    model = Classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+def model_to_device_every_step(steps: int) -> memsentry.Report:
+    """#27: ``model.to(device)`` in the loop is a no-op after the first call."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            model.to("cpu")
+            x, y = _batch()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+def rolling_window(steps: int) -> memsentry.Report:
+    """#28: ``deque(maxlen=k)`` of detached outputs."""
+    model, opt = _setup()
+    recent = collections.deque(maxlen=3)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            recent.append(logits.detach())
+    return t.report()
+
+
+def cache_keyed_by_shape(steps: int) -> memsentry.Report:
+    """#28: a cache of masks keyed by sequence length, three lengths in turn."""
+    model, opt = _setup()
+    masks: dict[int, torch.Tensor] = {}
+    with memsentry.track(model, on_leak="ignore") as t:
+        for step in range(steps):
+            length = (16, 32, 64)[step % 3]
+            if length not in masks:
+                masks[length] = torch.ones(length, 32)
+            x, y = _batch(length)
+            nn.functional.cross_entropy(model(x * masks[length]), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+def float_list_cleared_every_epoch(steps: int) -> memsentry.Report:
+    """#28: a list of Python floats, cleared every epoch of three iterations."""
+    model, opt = _setup()
+    epoch_losses: list[float] = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for step in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            epoch_losses.append(loss.item())
+            if step % 3 == 2:
+                epoch_losses.clear()
+    return t.report()
+
+
+def loss_item_summed(steps: int) -> memsentry.Report:
+    """The fix of #1: ``total += loss.item()``."""
+    model, opt = _setup()
+    total = 0.0
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total += loss.item()
+    return t.report()
+
+
+# -- time ----------------------------------------------------------------------------------------
+def slow_data(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for _ in range(steps):
+        time.sleep(0.05)  # decoding and augmenting in the training process
+        yield _batch(16)
+
+
+def input_bound_loop(steps: int) -> memsentry.Report:
+    """A loop that waits 50 ms for each batch and computes for about 1 ms (one thread: on a
+    busy machine, idle OpenMP threads would turn a 1 ms step into 100)."""
+    model, opt = _setup()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with memsentry.track(model, on_leak="ignore") as t:
+            for x, y in slow_data(steps):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return t.report()
+
+
+# -- the table -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scenario:
+    """One pattern: what memsentry must report (``rule`` ``None``: no LEAK at all)."""
+
+    name: str
+    guide: str
+    kind: str  # "leak", "waste", "hint" or "not a leak"
+    rule: str | None
+    severity: memsentry.Severity | None
+    holder: str | None
+    run: Callable[[int], memsentry.Report]
+    steps: int = STEPS
+
+
+LEAK, WASTE, HINT = memsentry.Severity.LEAK, memsentry.Severity.WASTE, memsentry.Severity.HINT
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("loss summed as a tensor", "#1", "leak", "retained-graph", LEAK, "total_loss",
+             loss_summed_as_tensor),
+    Scenario("loss summed, global hooks", "#1", "leak", "retained-graph", LEAK, "running",
+             loss_summed_without_tracking_a_model),
+    Scenario("validation loss summed", "#1", "leak", "retained-graph", LEAK, "val_total",
+             validation_loss_summed),
+    Scenario("outputs kept with their graph", "#2", "leak", "tensor-accumulation", LEAK,
+             "epoch_outputs", outputs_kept_with_graph),
+    Scenario("detached features kept", "#3", "leak", "tensor-accumulation", LEAK, "features",
+             detached_features_kept),
+    Scenario("RNN hidden state not detached", "#4", "leak", "retained-graph", LEAK, "hidden",
+             rnn_hidden_not_detached),
+    Scenario(".grad with create_graph=True", "#5", "leak", "retained-graph", LEAK,
+             "weight.grad", grad_with_create_graph),
+    Scenario("reference cycles, gc disabled", "#6", "leak", "reference-cycle", LEAK, "Node",
+             cycles_with_gc_disabled),
+    Scenario("reference cycles, rare collections", "#6", "waste", "reference-cycle", WASTE,
+             "Node", cycles_with_rare_collections),
+    Scenario("closure capturing self", "#7", "leak", "reference-cycle", LEAK, "Trial",
+             closures_capturing_self),
+    Scenario("hook registered every step", "#8", "leak", "hook-accumulation", LEAK,
+             "log_activation", hooks_registered_every_step),
+    Scenario("tensor stored on autograd ctx", "#9", "leak", "reference-cycle", LEAK,
+             "ScaleOnCtx", ctx_attribute_cycle),
+    Scenario("tensors given to a logger", "#10", "leak", "tensor-accumulation", LEAK,
+             "logger.history['loss']", tensors_given_to_a_logger),
+    Scenario("class attribute cache", "#11", "leak", "tensor-accumulation", LEAK,
+             "CachingBlock.cache", class_attribute_cache),
+    Scenario("module attribute pins a graph", "#11", "waste", "retained-graph", WASTE,
+             "model.last", module_attribute_pins_a_graph),
+    Scenario("models kept per trial", "#12", "leak", "tensor-accumulation", LEAK, "results",
+             models_kept_per_trial, steps=16),
+    Scenario("eval without no_grad", "#14", "waste", "missing-no-grad", WASTE, "evaluate",
+             eval_without_no_grad),
+    Scenario("input-bound loop", "-", "hint", "input-bound", HINT, None, input_bound_loop),
+    Scenario("clean loop with Adam warm-up", "#26", "not a leak", None, None, None,
+             clean_loop_with_adam),
+    Scenario("model.to(device) every step", "#27", "not a leak", None, None, None,
+             model_to_device_every_step),
+    Scenario("deque(maxlen=3) window", "#28", "not a leak", None, None, None, rolling_window),
+    Scenario("cache keyed by three shapes", "#28", "not a leak", None, None, None,
+             cache_keyed_by_shape, steps=12),
+    Scenario("float list cleared every epoch", "#28", "not a leak", None, None, None,
+             float_list_cleared_every_epoch, steps=12),
+    Scenario("loss.item() summed", "#1 fixed", "not a leak", None, None, None,
+             loss_item_summed),
+)

@@ -1,0 +1,132 @@
+"""The holder search (census) itself: it keeps nothing alive, respects its budget and its
+switch, survives odd objects, and its records round-trip through JSON."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import make_mlp
+from torch import nn
+
+import memsentry
+from memsentry.census import hook_census
+from memsentry.tracker import census_due
+
+
+def _train(model: nn.Module, steps: int, **options) -> memsentry.Report:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore", **options) as t:
+        for _ in range(steps):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return t.report()
+
+
+def test_censuses_come_after_warmup_then_at_doubling_gaps() -> None:
+    assert [i for i in range(80) if census_due(i)] == [2, 3, 4, 6, 10, 18, 34, 66]
+    report = _train(make_mlp(), 12)
+    assert [c.iteration for c in report.censuses] == [2, 3, 4, 6, 10]
+    assert all(c.complete and c.seconds < 1.0 for c in report.censuses)
+
+
+def test_a_local_rebound_after_a_census_is_freed_at_once() -> None:
+    # Reading a frame's locals leaves a snapshot that would keep the old value alive; the
+    # census must not turn "loop variables" into leaks of its own.
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    refs = []
+    with gc_off(), memsentry.track(model, on_leak="ignore"):
+        for _ in range(6):
+            activations = torch.ones(1024)
+            refs.append(weakref.ref(activations))
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()  # censuses at iterations 2, 3, 4 read this frame's locals
+            opt.zero_grad()
+        del activations
+    assert [r() for r in refs] == [None] * 6
+
+
+class gc_off:
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            gc.enable()
+
+
+def test_holders_false_turns_the_search_off() -> None:
+    report = _train(make_mlp(), 8, holders=False)
+    assert report.censuses == ()
+
+
+@pytest.mark.parametrize("budget", [0, -1, "1s", True])
+def test_holder_budget_must_be_a_positive_number(budget: object) -> None:
+    with pytest.raises(ValueError, match="holder_budget"):
+        memsentry.track(holder_budget=budget)  # type: ignore[arg-type]
+
+
+def test_a_search_over_budget_stops_and_says_so() -> None:
+    big = [torch.zeros(1) for _ in range(20_000)]  # many objects to walk
+    report = _train(make_mlp(), 6, holder_budget=1e-6)
+    assert big
+    assert report.censuses and not any(c.complete for c in report.censuses)
+    assert any("budget" in note and "holder_budget" in note for note in report.notes)
+    assert [f for f in report.findings if f.rule == "tensor-accumulation"] == []
+
+
+def test_the_search_walks_past_objects_that_raise() -> None:
+    class Hostile:
+        @property
+        def __dict__(self):  # type: ignore[override]
+            raise RuntimeError("no peeking")
+
+    hostile = Hostile()
+    dead = weakref.proxy(nn.Linear(2, 2))  # a proxy to an object already gone
+    kept = []
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(7):
+            kept.append(torch.ones(4096))
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+    report = t.report()
+    assert hostile is not None and dead is not None
+    assert not any("failed" in note for note in report.notes)
+    assert [f.rule for f in report.findings] == ["tensor-accumulation"]
+
+
+def test_memsentrys_own_hooks_are_not_counted() -> None:
+    model = make_mlp()
+    with memsentry.track(model, on_leak="ignore") as t:
+        model(torch.randn(2, 16))
+        own = {h.id for h in t._handles}
+        assert hook_census([("mlp", model)], own) == ()
+        handle = model.register_forward_hook(lambda m, a, o: None)
+        (stats,) = hook_census([("mlp", model)], own)
+        assert (stats.module, stats.count, stats.hook) == ("mlp", 1, "<lambda>")
+        handle.remove()
+
+
+def test_censuses_round_trip_through_json(tmp_path) -> None:
+    kept = []
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(7):
+            kept.append(model(torch.randn(4, 16)))
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+    report = t.report()
+    path = tmp_path / "report.json"
+    report.to_json(path)
+    again = memsentry.Report.from_json(path)
+    assert again.censuses == report.censuses
+    assert again.unused_graphs == report.unused_graphs
+    assert memsentry.analyse(again) == report.findings
