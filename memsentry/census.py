@@ -242,12 +242,14 @@ class _Walk:
             )
         return holder
 
-    def _count_bytes(self, tensor: torch.Tensor) -> int:
+    def _count_bytes(self, tensor: torch.Tensor, *, parameters: bool = False) -> int:
+        """The storage's bytes the first time it is met; parameters and buffers of tracked
+        modules count only when ``parameters`` is on (a whole model kept in a container)."""
         key = _storage_key(tensor)
         if key is None:
             return 0
         (device, pointer), size = key
-        if pointer in self.static or (device, pointer) in self.storages:
+        if (pointer in self.static and not parameters) or (device, pointer) in self.storages:
             return 0
         self.storages.add((device, pointer))
         return size
@@ -281,7 +283,7 @@ class _Walk:
         if isinstance(obj, nn.Module) and item.frozen:
             holder = self._holder(item)  # a model kept in a container: count it, whole
             holder.modules += 1
-            holder.bytes += sum(self._count_bytes(p) for p in obj.parameters())
+            holder.bytes += sum(self._count_bytes(p, parameters=True) for p in obj.parameters())
             return
         cls = type(obj)
         if not isinstance(obj, dict | list | tuple | set | frozenset | collections.deque):

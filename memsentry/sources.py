@@ -107,15 +107,26 @@ def _growth_line(path: str, mtime: float | None, name: str, function_line: int |
     if tree is None:
         return None
     scope = _enclosing(tree, function_line)
-    best, line = 0, None
-    for node in ast.walk(scope):
-        score = _score(node, name)
+    best, line = 0.0, None
+    for node, function in _walk(scope, None):
+        score: float = _score(node, name)
         lineno = getattr(node, "lineno", None)
-        if lineno is None:
+        if lineno is None or not score:
             continue
-        if score > best or (score == best and score and line is not None and lineno < line):
+        if function == "__init__":
+            score -= 0.5  # set up once in a constructor; the line that refills it is elsewhere
+        if score > best or (score == best and line is not None and lineno < line):
             best, line = score, lineno
     return line
+
+
+def _walk(node: ast.AST, function: str | None):
+    """Every node under ``node`` with the name of the function it is in."""
+    for child in ast.iter_child_nodes(node):
+        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
+            else function
+        yield child, inner
+        yield from _walk(child, inner)
 
 
 def call_line(path: str | None, method: str, argument: str | None = None) -> int | None:

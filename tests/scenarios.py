@@ -563,7 +563,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("tensor stored on autograd ctx", "#9", "leak", "reference-cycle", LEAK,
              "ScaleOnCtx", ctx_attribute_cycle),
     Scenario("tensors given to a logger", "#10", "leak", "tensor-accumulation", LEAK,
-             "logger.history['loss']", tensors_given_to_a_logger),
+             "logger.history", tensors_given_to_a_logger),
     Scenario("class attribute cache", "#11", "leak", "tensor-accumulation", LEAK,
              "CachingBlock.cache", class_attribute_cache),
     Scenario("module attribute pins a graph", "#11", "waste", "retained-graph", WASTE,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memsentry.report import Finding, GarbageStats, Report, Severity
+from memsentry.rules.series import plural
 from memsentry.units import format_bytes
 
 RULE_ID = "reference-cycle"
@@ -54,7 +55,7 @@ def reference_cycle(report: Report) -> list[Finding]:
     per_iteration = last.bytes / max(span, 1)
     full_freed = sum(c.garbage.full_freed for c in sightings if c.garbage)
     message = (
-        f"reference cycles owned {last.tensors:,} tensors ({format_bytes(last.bytes)}) at "
+        f"reference cycles owned {plural(last.tensors, 'tensor')} ({format_bytes(last.bytes)}) at "
         f"iteration {sightings[-1].iteration}, found at {len(sightings)} of "
         f"{len(report.censuses)} censuses; only the garbage collector frees them. The "
         f"unreachable objects are {_types(last)}"

@@ -3,6 +3,8 @@ autograd graph grows, from one census to the next."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memsentry.report import Finding, HolderStats, Report, Severity
 from memsentry.rules.series import describe_holder, holder_series, per_iteration, trend
 from memsentry.units import format_bytes
@@ -15,63 +17,96 @@ def _count(holder: HolderStats) -> float:
     return holder.tensors + holder.modules
 
 
+def _parent(name: str) -> str:
+    """``logger.history`` for ``logger.history['loss']``; the name itself otherwise."""
+    return name[: name.rindex("[")] if name.endswith("']") and "[" in name else name
+
+
+def _merge(name: str, entries: list[HolderStats | None]) -> HolderStats | None:
+    """One holder standing for the keys of a dict that all grow."""
+    present = [e for e in entries if e is not None]
+    if not present:
+        return None
+    first = present[0]
+    return replace(
+        first, name=name, items=None,
+        tensors=sum(e.tensors for e in present), bytes=sum(e.bytes for e in present),
+        graph_tensors=sum(e.graph_tensors for e in present),
+        graph_nodes=sum(e.graph_nodes for e in present),
+        graph_saved_bytes=sum(e.graph_saved_bytes for e in present),
+        modules=sum(e.modules for e in present),
+    )
+
+
 def tensor_accumulation(report: Report) -> list[Finding]:
     """A list, dict, deque or attribute gains tensors (or whole models) at every census.
 
     Worse when they carry ``grad_fn``: each keeps its batch's graph and saved activations.
+    Several keys of one dict that all grow (a logger's history) make one finding.
     """
     censuses, table = holder_series(report)
+    groups: dict[str, list[str]] = {}
+    for name, row in table.items():
+        if trend(censuses, row, _count).climbs():
+            groups.setdefault(_parent(name), []).append(name)
     findings = []
-    for row in table.values():
-        count = trend(censuses, row, _count)
-        if not count.climbs():
-            continue
-        last = row[-1]
-        assert last is not None
-        first_seen = next(h for h in row if h is not None)
-        size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
-        what = "models" if last.modules and not last.tensors else "tensors"
-        message = (
-            f"{describe_holder(last)} gains {per_iteration(count.per_iteration, what[:-1])}: "
-            f"{int(_count(last)):,} ({format_bytes(last.bytes)}) at iteration "
-            f"{count.iterations[-1]}, up from {int(_count(first_seen)):,} at iteration "
-            f"{count.iterations[0]}"
-        )
-        if last.modules:
-            message += f"; {last.modules} of them are whole nn.Module objects"
-        if last.graph_tensors:
-            message += (
-                f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
-                "their batch's graph"
-            )
-            if last.graph_saved_bytes:
-                message += f" and {format_bytes(last.graph_saved_bytes)} saved for backward"
-            message += " alive"
-        if last.modules:
-            fix = (
-                "keep results, not models: store the score and, for the best model only, a "
-                "CPU copy of state_dict(); `del` the model and optimizer after each trial"
-            )
-        elif last.graph_tensors:
-            fix = (
-                "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
-                "under `torch.no_grad()`; clear the container each epoch or bound it with "
-                "`collections.deque(maxlen=k)`"
-            )
+    for parent, names in groups.items():
+        if len(names) == 1:
+            row, label, keys = table[names[0]], names[0], ""
         else:
-            fix = (
-                "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), "
-                "aggregate as you go, and clear the container each epoch or bound it with "
-                "`collections.deque(maxlen=k)`"
-            )
-        findings.append(
-            Finding(
-                rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes,
-                rate=max(size.per_iteration, 0.0), where=last.where or last.name,
-            )
-        )
+            row = [_merge(parent, [table[n][i] for n in names]) for i in range(len(censuses))]
+            label = parent
+            keys = ", ".join(n[len(parent):] for n in sorted(names))
+        findings.append(_accumulation(censuses, row, label, keys))
     return findings
+
+
+def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str) -> Finding:
+    count = trend(censuses, row, _count)
+    last = row[-1]
+    assert last is not None
+    first_seen = next(h for h in row if h is not None)
+    size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
+    what = "model" if last.modules and not last.tensors else "tensor"
+    message = (
+        f"{describe_holder(last)} gains {per_iteration(count.per_iteration, what)}"
+        f"{' across its keys ' + keys if keys else ''}: "
+        f"{int(_count(last)):,} ({format_bytes(last.bytes)}) at iteration "
+        f"{count.iterations[-1]}, up from {int(_count(first_seen)):,} at iteration "
+        f"{count.iterations[0]}"
+    )
+    if last.modules:
+        message += f"; {last.modules} of them are whole nn.Module objects"
+    if last.graph_tensors:
+        message += (
+            f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
+            "their batch's graph"
+        )
+        if last.graph_saved_bytes:
+            message += f" and {format_bytes(last.graph_saved_bytes)} saved for backward"
+        message += " alive"
+    if last.modules:
+        fix = (
+            "keep results, not models: store the score and, for the best model only, a "
+            "CPU copy of state_dict(); `del` the model and optimizer after each trial"
+        )
+    elif last.graph_tensors:
+        fix = (
+            "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
+            "under `torch.no_grad()`; clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
+    else:
+        fix = (
+            "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), "
+            "aggregate as you go, and clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
+    return Finding(
+        rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
+        bytes=last.bytes + last.graph_saved_bytes,
+        rate=max(size.per_iteration, 0.0), where=last.where or label,
+    )
 
 
 def retained_graph(report: Report) -> list[Finding]:
@@ -112,11 +147,17 @@ def retained_graph(report: Report) -> list[Finding]:
                 "; backward() freed their saved tensors, but the nodes themselves pile up "
                 "in host memory and every backward through them gets slower"
             )
-        fix = (
-            f"accumulate a number, not the tensor: `{_base(last.name)} += loss.item()` (or "
-            "`loss.detach()`); a state carried into the next iteration (an RNN's hidden "
-            "state) must be `.detach()`ed at each step"
-        )
+        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
+            fix = (
+                f"accumulate a number, not the tensor: `{_base(last.name)} += loss.item()` "
+                "(or `loss.detach()`)"
+            )
+        else:  # a state carried into the next iteration
+            fix = (
+                f"cut the graph at each iteration: `{_base(last.name)} = "
+                f"{_base(last.name)}.detach()` before it is used again (truncated BPTT), "
+                "and drop retain_graph=True once nothing reaches back"
+            )
         findings.append(
             Finding(
                 rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -89,18 +90,32 @@ def per_iteration(value: float, noun: str) -> str:
     return f"{value:.3g} {noun if value == 1 else noun + 's'}/iter"
 
 
+def root_name(name: str) -> str:
+    """``model`` for ``model.cache['x']``."""
+    return re.split(r"[.\[]", name, maxsplit=1)[0]
+
+
 def describe_holder(holder: HolderStats) -> str:
-    """```name``` with what it is (``a local of train()``, ``a global of module x``, ``a class
-    attribute``) and the line that fills it."""
+    """```name``` with what it is (``a local of train()``, ``held through `logger`, a local of
+    train()``, ``a class attribute``) and the line that fills it."""
     function = (holder.scope or "").split(" in ", 1)[0]
     kinds = {
         "local": f"a local of {function}" if function else "a local variable",
         "global": f"a global of {holder.scope}" if holder.scope else "a global",
         "class attribute": "a class attribute, shared by every instance",
-        "model": "an attribute of the tracked model",
+        "model": "the tracked model",
         "gradient": holder.scope or "a parameter's .grad",
     }
-    text = f"`{holder.name}` ({kinds.get(holder.kind, holder.kind)}"
+    kind = kinds.get(holder.kind, holder.kind)
+    root = root_name(holder.name)
+    if root != holder.name and holder.kind in ("local", "global", "model"):
+        kind = f"held through `{root}`, {kind}"
+    text = f"`{holder.name}` ({kind}"
     if holder.where:
         text += f", {holder.where}"
     return text + ")"
+
+
+def plural(count: float, noun: str) -> str:
+    """``1 tensor``, ``4 tensors``."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
