@@ -424,19 +424,24 @@ _GENERIC = frozenset({"dict", "list", "tuple", "cell", "function", "method", "se
 
 
 def garbage_census(sample: Callable[[], int], full_collections: int = 0,
-                   full_freed: int = 0) -> GarbageStats:
-    """Collect the young generation, keeping what it finds long enough to name it.
+                   full_freed: int = 0, *, everything: bool = False) -> GarbageStats:
+    """Collect the two young generations (all of them when ``everything``), keeping what the
+    collection finds long enough to name it.
 
     ``gc.DEBUG_SAVEALL`` parks the unreachable objects in ``gc.garbage`` (finalisers and weakref
-    callbacks have run, as in a normal collection); after counting them they are released and
-    collected for real. ``sample`` reads allocated memory, to measure what was freed.
+    callbacks have run, as in a normal collection) and moves them to the oldest generation.
+    After counting, they are released and, when there were any, a full collection frees them
+    for real: the costly step, paid only when cycles exist. A cycle still alive at one census
+    is promoted out of the young generations by then, so once cycles owning tensors were
+    seen the tracker asks for ``everything``. ``sample`` reads allocated memory, to measure
+    what was freed.
     """
     before = sample()
     flags = gc.get_debug()
     start = len(gc.garbage)
     gc.set_debug(flags | gc.DEBUG_SAVEALL)
     try:
-        gc.collect(0)
+        gc.collect(2 if everything else 1)
     finally:
         gc.set_debug(flags)
     found = gc.garbage[start:]
@@ -459,7 +464,8 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
     objects = len(found)
     found.clear()
     del found
-    gc.collect(1)
+    if objects:
+        gc.collect()
     freed = max(0, before - sample())
     # The user's own classes first (the cycle's likely author), then library types.
     ranked = counts.most_common()

@@ -234,6 +234,7 @@ class Tracker:
         self._holder_budget = float(holder_budget)
         self._censuses: list[Census] = []
         self._own = 0  # allocated memory the censuses added (their records) or freed (gc)
+        self._cycles_seen = False  # then every census collects all generations
         self._census_errors: list[str] = []
         self._gc_full = [0, 0, 0]  # collections, bytes freed, allocated at the start of one
         self._root_calls: list[_RootCall] = []
@@ -608,7 +609,9 @@ class Tracker:
         own = {handle.id for handle in self._handles if hasattr(handle, "id")}
         before = backend.allocated()
         try:
-            garbage = garbage_census(backend.allocated, collections, freed)
+            garbage = garbage_census(backend.allocated, collections, freed,
+                                     everything=self._cycles_seen)
+            self._cycles_seen = self._cycles_seen or garbage.tensors > 0
             census = take_census(
                 self._iter_index,
                 frame=sys._getframe(1),

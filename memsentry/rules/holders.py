@@ -80,11 +80,11 @@ def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str
     if last.graph_tensors:
         message += (
             f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
-            "their batch's graph"
+            f"their batch's graph ({last.graph_nodes:,} nodes"
         )
         if last.graph_saved_bytes:
-            message += f" and {format_bytes(last.graph_saved_bytes)} saved for backward"
-        message += " alive"
+            message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
+        message += ") alive"
     if last.modules:
         fix = (
             "keep results, not models: store the score and, for the best model only, a "
