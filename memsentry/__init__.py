@@ -7,7 +7,18 @@ from memsentry.errors import (
     TrackerStateError,
     UnsupportedDeviceError,
 )
-from memsentry.report import Finding, IterationStats, LayerStats, Report, Severity
+from memsentry.report import (
+    Census,
+    Finding,
+    GarbageStats,
+    HolderStats,
+    HookStats,
+    IterationStats,
+    LayerStats,
+    Report,
+    Severity,
+    UnusedGraph,
+)
 from memsentry.rules import RULES, analyse
 from memsentry.tracker import Tracker, track
 from memsentry.units import format_bytes, parse_size
@@ -16,7 +27,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RULES",
+    "Census",
     "Finding",
+    "GarbageStats",
+    "HolderStats",
+    "HookStats",
     "IterationStats",
     "LayerStats",
     "LeakError",
@@ -27,6 +42,7 @@ __all__ = [
     "Tracker",
     "TrackerStateError",
     "UnsupportedDeviceError",
+    "UnusedGraph",
     "__version__",
     "analyse",
     "format_bytes",
