@@ -126,6 +126,20 @@ def _release_locals(frame: types.FrameType) -> None:
 
 
 # -- holders ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeldTensor:
+    """A tensor found by :func:`find_holders`: the path that reaches it, spelled as code would
+    (``CACHE['warm'][3]``, ``TestModel.outputs[0]``), and what the tensor is."""
+
+    holder: str
+    kind: str
+    scope: str | None
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    bytes: int
+    grad_fn: bool
+
 @dataclass(eq=False)
 class _Holder:
     name: str
@@ -186,13 +200,10 @@ def _children(obj: Any) -> Iterator[tuple[str, Any, bool]]:
     non-string keys) belong to the container above them."""
     if isinstance(obj, dict):
         for key, value in list(obj.items()):
-            if isinstance(key, str):
-                yield f"[{key!r}]", value, False
-            else:
-                yield "[…]", value, True
+            yield f"[{key!r}]", value, not isinstance(key, str)
     elif isinstance(obj, list | tuple | collections.deque):
-        for value in list(obj):
-            yield "[…]", value, True
+        for index, value in enumerate(list(obj)):
+            yield f"[{index}]", value, True
     elif isinstance(obj, set | frozenset):
         for value in list(obj):
             yield "{…}", value, True
@@ -217,8 +228,11 @@ class _Walk:
     """One census walk: breadth first from the roots, so each tensor is named by its shortest
     path; every storage and graph node counted once."""
 
-    def __init__(self, budget: _Budget, static: set[int], skip: set[int]) -> None:
+    def __init__(self, budget: _Budget, static: set[int], skip: set[int],
+                 targets: set[int] | None = None) -> None:
         self.budget = budget
+        self.targets = targets  # storage pointers to find (with full paths), or None
+        self.found: list[HeldTensor] = []
         self.static = static
         self.seen: set[int] = set(skip)
         self.storages: set[tuple[str, int]] = set()
@@ -269,6 +283,9 @@ class _Walk:
 
     def _visit(self, item: _Item, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
+            if self.targets is not None:
+                self._match(item, obj)
+                return
             if isinstance(obj, nn.Parameter):
                 return
             holder = self._holder(item)
@@ -301,7 +318,7 @@ class _Walk:
         for segment, child, positional in _children(obj):
             if id(child) in self.seen or _atomic(child):
                 continue
-            if item.frozen or positional:
+            if (item.frozen or positional) and self.targets is None:
                 self.queue.append(
                     _Item(child, item.holder, item.kind, item.scope, item.hint,
                           item.depth + 1, True)
@@ -315,6 +332,19 @@ class _Walk:
                 _Item(child, item.holder + segment, item.kind, item.scope, hint,
                       item.depth + 1, False)
             )
+
+    def _match(self, item: _Item, tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        if key is None or key[0][1] not in self.targets or key[0] in self.storages:  # type: ignore[operator]
+            return
+        self.storages.add(key[0])
+        self.found.append(
+            HeldTensor(
+                holder=item.holder, kind=item.kind, scope=item.scope,
+                shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
+                device=str(tensor.device), bytes=key[1], grad_fn=tensor.grad_fn is not None,
+            )
+        )
 
     def _add_class(self, cls: type) -> None:
         for klass in cls.__mro__:
@@ -574,6 +604,35 @@ def take_census(
     )
 
 
+def find_holders(
+    pointers: set[int],
+    roots: list[tuple[str, Any, str, str | None]],
+    *,
+    budget: float = 1.0,
+) -> tuple[list[HeldTensor], bool]:
+    """Who holds the tensors whose storage starts at one of ``pointers``.
+
+    Walks ``roots`` (name, object, kind, scope) first, then the globals of the user's modules
+    and their classes' attributes, breadth first, so each tensor gets its shortest path.
+    Returns the tensors found (each storage once) and whether the walk finished within
+    ``budget`` seconds. Nothing found is kept alive.
+    """
+    walk = _Walk(_Budget(budget), set(), set(), targets=set(pointers))
+    for name, obj, kind, scope in roots:
+        walk.add_root(obj, name, kind, scope, (name, (), None, None))
+    for module in _user_modules():
+        scope = short_path(module.__file__) if module.__name__ == "__main__" and \
+            module.__file__ else f"module {module.__name__}"
+        for name, value in list(vars(module).items()):
+            if not name.startswith("__") and not _atomic(value) \
+                    and not isinstance(value, _OPAQUE):
+                walk.add_root(value, name, "global", scope, (name, (), None, None))
+            elif isinstance(value, type):
+                walk._add_class(value)
+    walk.run()
+    return walk.found, not walk.budget.exhausted
+
+
 def _freeze_holders(walk: _Walk) -> list[HolderStats]:
     frozen = []
     nodes_seen: set[int] = set()
@@ -616,4 +675,5 @@ def _gradient_holders(walk: _Walk, modules: list[tuple[str, nn.Module]]) -> list
     ]
 
 
-__all__ = ["garbage_census", "hook_census", "is_machinery_frame", "take_census", "user_frames"]
+__all__ = ["HeldTensor", "find_holders", "garbage_census", "hook_census", "is_machinery_frame",
+           "take_census", "user_frames"]

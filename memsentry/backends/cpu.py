@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -116,12 +117,15 @@ def _storage_key(tensor: torch.Tensor) -> int:
         return 0
 
 
-class _StorageCounter(TorchDispatchMode):
-    """Counts the bytes of tensor storages created by ops while the mode is active."""
+class StorageCounter(TorchDispatchMode):
+    """Counts the bytes of tensor storages created by ops while the mode is active; ``live``
+    maps the storages still alive to their size. With ``sites``, also remembers the user's
+    line that created each one (``file:line``), for leak reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sites: bool = False) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
+        self.sites: dict[int, str] | None = {} if sites else None
         self.current = 0
         self.peak = 0
 
@@ -147,6 +151,8 @@ class _StorageCounter(TorchDispatchMode):
             return
         size = storage.nbytes()
         self.live[key] = size
+        if self.sites is not None:
+            self.sites[key] = _user_line()
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
@@ -154,6 +160,21 @@ class _StorageCounter(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+        if self.sites is not None:
+            self.sites.pop(key, None)
+
+
+def _user_line() -> str:
+    """``file:line`` of the innermost frame outside torch, memsentry and pytest."""
+    from memsentry.census import is_machinery_frame
+    from memsentry.sources import short_path
+
+    frame = sys._getframe(2)
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 class StorageBackend:
@@ -168,7 +189,7 @@ class StorageBackend:
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self._counter = _StorageCounter()
+        self._counter = StorageCounter()
         self._active = False
 
     def sample(self) -> tuple[int, int | None]:
