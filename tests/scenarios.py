@@ -49,6 +49,16 @@ def _batch(size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 32), torch.randint(0, 10, (size,))
 
 
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """One ordinary step (for scenarios whose leak is elsewhere); returns the loss."""
+    x, y = _batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 @contextmanager
 def _gc(enabled: bool, threshold: int | None = None) -> Iterator[None]:
     was_enabled, old = gc.isenabled(), gc.get_threshold()
@@ -182,11 +192,7 @@ def _cycle_loop(steps: int) -> memsentry.Report:
     model, opt = _setup()
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
             a, b = Node(torch.ones(64 * 1024)), Node(torch.ones(64 * 1024))
             a.partner, b.partner = b, a
             del a, b
@@ -221,10 +227,7 @@ def closures_capturing_self(steps: int) -> memsentry.Report:
     with _gc(enabled=False), memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
             trial = Trial(model)
-            x, y = _batch()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
             del trial
     return t.report()
 
@@ -239,10 +242,7 @@ def hooks_registered_every_step(steps: int) -> memsentry.Report:
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
             model.head.register_forward_hook(log_activation)
-            x, y = _batch()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
     return t.report()
 
 
@@ -324,10 +324,7 @@ def class_attribute_cache(steps: int) -> memsentry.Report:
     try:
         with memsentry.track(model, on_leak="ignore") as t:
             for _ in range(steps):
-                x, y = _batch()
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+                _train_step(model, opt)
         return t.report()
     finally:
         CachingBlock.cache.clear()
@@ -353,10 +350,7 @@ def module_attribute_pins_a_graph(steps: int) -> memsentry.Report:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
     return t.report()
 
 
@@ -396,10 +390,7 @@ def eval_without_no_grad(steps: int) -> memsentry.Report:
     val = [_batch(256) for _ in range(2)]
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
             evaluate(model, val)
     return t.report()
 
@@ -413,7 +404,7 @@ def clean_loop_with_adam(steps: int) -> memsentry.Report:
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
             x, y = _batch()
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(model(x), y)  # x, y, loss live on: normal
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -426,10 +417,7 @@ def model_to_device_every_step(steps: int) -> memsentry.Report:
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
             model.to("cpu")
-            x, y = _batch()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _train_step(model, opt)
     return t.report()
 
 
@@ -470,11 +458,7 @@ def float_list_cleared_every_epoch(steps: int) -> memsentry.Report:
     epoch_losses: list[float] = []
     with memsentry.track(model, on_leak="ignore") as t:
         for step in range(steps):
-            x, y = _batch()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            loss = _train_step(model, opt)
             epoch_losses.append(loss.item())
             if step % 3 == 2:
                 epoch_losses.clear()
@@ -487,12 +471,7 @@ def loss_item_summed(steps: int) -> memsentry.Report:
     total = 0.0
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            total += loss.item()
+            total += _train_step(model, opt).item()
     return t.report()
 
 
