@@ -318,3 +318,15 @@ def test_cpu_model_trains_under_tracking_on_any_machine() -> None:
     with memsentry.track(model) as t:
         train(model, 2)
     assert t.report().device == "cpu"
+
+
+def test_storage_counter_sees_tensors_made_from_python_data() -> None:
+    # torch.tensor() builds its storage outside dispatch, then lifts it (aten.lift_fresh).
+    from memsentry.backends.cpu import StorageCounter
+
+    counter = StorageCounter()
+    with counter:
+        kept = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert counter.current == 16 and len(counter.live) == 1
+    del kept
+    assert counter.current == 0

@@ -117,6 +117,9 @@ def _storage_key(tensor: torch.Tensor) -> int:
         return 0
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created by ops while the mode is active; ``live``
     maps the storages still alive to their size. With ``sites``, also remembers the user's
@@ -135,6 +138,8 @@ class StorageCounter(TorchDispatchMode):
         # input predates tracking it belongs to the baseline.
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
+        if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
+            inputs = set()
         out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":

@@ -1,0 +1,256 @@
+"""pytest plugin: ``pytest --memsentry`` fails tests that leave device memory allocated.
+
+Registered through the ``pytest11`` entry point. Without ``--memsentry`` (or ini
+``memsentry = true``) and without ``memsentry`` markers nothing is measured: this module does
+not import torch, and the hooks return at once for tests that are not checked. A checked test
+is measured once torch is imported (a test whose module did not import torch is not measured:
+importing torch allocates once).
+
+How a verdict reaches the terminal: for a checked test the plugin runs pytest's own test
+protocol (``runtestprotocol``) with logging deferred, measures after the teardown (when
+pytest has dropped the test's fixture values), and when the test passed but leaked it turns
+the *call* report into a failure whose ``longrepr`` is the one-line verdict, with the details
+in a report section titled ``memsentry``. So a leaking test shows once, as ``LEAKED`` (``L``)
+(``PEAK EXCEEDED``, ``P``, above ``max_peak``), is listed in FAILURES and in the short
+summary with its verdict, and makes the exit code non-zero. A test that fails for its own
+reason keeps its own failure; its leak is not judged (its traceback keeps its frames alive).
+Skipped tests are not checked. A plugin that runs the protocol itself for a test
+(pytest-rerunfailures with reruns) does so before memsentry; that test is then not checked.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from _pytest.runner import runtestprotocol
+
+from pytest_memsentry.marks import MARKERS, Limits, limits_for, marker_help
+from pytest_memsentry.results import NAME, figures_of, judge, not_judged, summary
+from pytest_memsentry.sizes import parse_size
+
+if TYPE_CHECKING:
+    from memsentry import Tracker
+    from pytest_memsentry.measure import CudaApi, Window
+
+LIMITS = pytest.StashKey[Limits]()
+STATUS = {"leaked": ("failed", "L", "LEAKED"), "peak": ("failed", "P", "PEAK EXCEEDED")}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("memsentry", "memory leaks (memsentry)")
+    group.addoption("--memsentry", action="store_true", default=False,
+                    help="fail tests that leave memory allocated on a device (CPU, CUDA) "
+                         "after they end")
+    group.addoption("--memsentry-max-leak", metavar="SIZE", default=None,
+                    help="memory a test may leave allocated per device, e.g. '1 MiB' "
+                         "(default 0; ini memsentry_max_leak)")
+    group.addoption("--memsentry-max-peak", metavar="SIZE", default=None,
+                    help="the most a test may allocate at once per device, e.g. '2 GiB' "
+                         "(default no limit; ini memsentry_max_peak)")
+    group.addoption("--memsentry-report", action="store_true", default=False,
+                    help="print the tests with the largest leaks and peaks at the end")
+    parser.addini("memsentry", "check every test for memory leaks (as --memsentry)",
+                  type="bool", default=False)
+    parser.addini("memsentry_max_leak", "default of --memsentry-max-leak", default="")
+    parser.addini("memsentry_max_peak", "default of --memsentry-max-peak", default="")
+
+
+def _size_option(config: pytest.Config, name: str) -> int | None:
+    """The size given on the command line (which wins) or in the ini file; ``None`` if
+    neither; ``pytest.UsageError`` naming the option when memsentry cannot read it."""
+    value = config.getoption(name)
+    source = f"--{name.replace('_', '-')}"
+    if value is None:
+        value = config.getini(name)
+        source = f"ini option {name}"
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        return parse_size(value.strip() if isinstance(value, str) else value)
+    except ValueError as error:
+        raise pytest.UsageError(f"{source}={value!r}: {error}") from None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in MARKERS:
+        config.addinivalue_line("markers", marker_help(name))
+    defaults = Limits(
+        max_leak=_size_option(config, "memsentry_max_leak") or 0,
+        max_peak=_size_option(config, "memsentry_max_peak"),
+    )
+    enabled = bool(config.getoption("memsentry") or config.getini("memsentry"))
+    config.pluginmanager.register(Manager(config, defaults, enabled), "memsentry-manager")
+
+
+class Manager:
+    """The session's state: which tests are checked and with what limits (in each item's
+    stash), the test being measured, the CUDA figures of wider-scoped fixtures, and the
+    figures collected for ``--memsentry-report``."""
+
+    def __init__(self, config: pytest.Config, defaults: Limits, enabled: bool) -> None:
+        self.config = config
+        self.defaults = defaults
+        self.enabled = enabled
+        self.report = bool(config.getoption("memsentry_report"))
+        self.results: list[tuple[str, Any]] = []
+        self.cuda: CudaApi | None = None  # torch.cuda, once a test is measured
+        self.window: Window | None = None
+        self.fixture_growth: dict[Any, dict[int, int]] = {}
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Decide which tests are checked, validating every memsentry marker now: one
+        ``pytest.UsageError`` lists every test with bad marker arguments."""
+        errors: dict[pytest.Item, str] = {}
+        for item in items:
+            try:
+                limits = limits_for(item, self.defaults, enabled=self.enabled)
+            except pytest.UsageError as error:
+                errors[item] = str(error)
+                continue
+            if limits is not None:
+                item.stash[LIMITS] = limits
+        if not errors:
+            return
+        if not hasattr(self.config, "workerinput"):
+            raise pytest.UsageError("\n".join(errors.values()))
+        # A pytest-xdist worker: its UsageError would reach nobody. Report each bad test as a
+        # collection error, which xdist shows, and do not run it.
+        for item, message in errors.items():
+            self.config.hook.pytest_collectreport(
+                report=pytest.CollectReport(item.nodeid, "failed", message, [])
+            )
+        items[:] = [item for item in items if item not in errors]
+
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None
+                                ) -> bool | None:
+        limits = item.stash.get(LIMITS, None)
+        if limits is None or "torch" not in sys.modules:
+            return None  # pytest's own protocol runs the test
+        from pytest_memsentry.measure import TorchCuda, Window, warm_up
+
+        warm_up()
+        if self.cuda is None:
+            self.cuda = TorchCuda()
+        window = Window(self.cuda, self.fixture_growth)
+        try:
+            window.start()
+        except Exception as error:  # never keep a test from running
+            warnings.warn(f"memsentry could not measure {item.nodeid}: {error!r}",
+                          pytest.PytestWarning, stacklevel=1)
+            window.abort()
+            return None
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self.window = window
+        try:
+            reports = runtestprotocol(item, nextitem=nextitem, log=False)
+        except BaseException:
+            window.abort()
+            raise
+        finally:
+            self.window = None
+        self._judge(item, window, limits, reports)
+        for report in reports:
+            ihook.pytest_runtest_logreport(report=report)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _judge(self, item: pytest.Item, window: Window, limits: Limits,
+               reports: list[pytest.TestReport]) -> None:
+        """Measure after teardown and put the verdict on the call report."""
+        if any(r.skipped for r in reports):
+            window.abort()
+            return
+        call = next((r for r in reports if r.when == "call"), None)
+        failed = next((r for r in reports if r.failed), None)
+        if call is None and failed is None:  # --setup-only
+            window.abort()
+            return
+        xpassed = call is not None and hasattr(call, "wasxfail")
+        judged = failed is None and not xpassed
+        try:
+            measurement = window.finish(item, limits, judged=judged)
+        except Exception as error:  # never lose the test's own result to a measuring bug
+            window.abort()
+            warnings.warn(f"memsentry could not measure {item.nodeid}: {error!r}",
+                          pytest.PytestWarning, stacklevel=1)
+            return
+        target = failed or call
+        assert target is not None
+        verdict = "passed"
+        if judged:
+            check, notes = judge(measurement, limits)
+            for note in notes:
+                warnings.warn(note, _leak_warning(), stacklevel=1)
+            if check is not None:
+                verdict = check.status
+                target.outcome = "failed"
+                target.longrepr = check.long_repr
+                target.sections.append((NAME, check.section))
+        else:
+            verdict = "not judged"
+            reason = ("the test xpassed (an expected failure)" if xpassed else
+                      "the test failed, and its traceback keeps its frames (and their "
+                      "tensors) alive")
+            note = not_judged(measurement, limits, reason)
+            if note is not None:
+                target.sections.append((NAME, note))
+        target.user_properties.append((NAME, measurement.figures(verdict)))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]
+                             ) -> Generator[None, None, None]:
+        """Memory a wider-scoped fixture makes while it is set up is the fixture's."""
+        window = self.window
+        if window is None or fixturedef.scope == "function":
+            yield
+            return
+        window.fixture_starting()
+        try:
+            yield
+        finally:
+            window.fixture_done(fixturedef)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport
+                                 ) -> tuple[str, str, str] | None:
+        if report.when != "call" or not report.failed:
+            return None
+        figures = figures_of(report.user_properties)
+        if figures is None:
+            return None
+        return STATUS.get(figures.get("verdict", ""))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.report:
+            figures = figures_of(report.user_properties)
+            if figures is not None:
+                self.results.append((report.nodeid, figures))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.report:
+            return
+        terminalreporter.write_sep("=", "memsentry report")
+        for line in summary(self.results):
+            terminalreporter.write_line(line)
+
+
+def _leak_warning() -> type[Warning]:
+    from memsentry import LeakWarning
+
+    return LeakWarning
+
+
+@pytest.fixture
+def memsentry() -> Iterator[Tracker]:
+    """A memsentry tracker for this test, ``memsentry.track(on_leak="ignore")`` with global
+    module hooks, entered before the test and exited at its teardown: call ``t.step()`` to
+    close iterations and assert on ``t.report()``."""
+    import memsentry as memsentry_package
+
+    with memsentry_package.track(on_leak="ignore") as tracker:
+        yield tracker

@@ -1,0 +1,267 @@
+"""What one test's measurement found, the verdict on it, and the end-of-run table: plain values
+and text, no torch, no pytest state (the plugin measures; this module judges and formats)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_memsentry.marks import Limits
+from pytest_memsentry.sizes import format_bytes, parse_size
+
+#: Leaked tensors listed in a failure's section; the rest are counted.
+TOP = 10
+#: The name of the report section and of the ``user_properties`` entry.
+NAME = "memsentry"
+
+LEAK_FIX = (
+    "fix: release what keeps them when the test ends (del it, .clear() the container, or make "
+    "it in a function-scoped fixture that frees it at teardown), or allow it: "
+    "@pytest.mark.memsentry(max_leak={allow!r})"
+)
+GRAPH_NOTE = (
+    "note: a kept tensor with a grad_fn keeps its autograd graph and the tensors it saved for "
+    "backward: keep .detach()ed tensors (.item() for numbers), or run the code under "
+    "torch.no_grad()"
+)
+UNREACHED = "nothing memsentry reached (a closure, a hook, torch's own state?)"
+UNREACHED_WITH_GRAPHS = "not reached: saved for backward by a kept graph (grad_fn)?"
+PEAK_FIX = (
+    "fix: allocate less at once (smaller inputs, free intermediates sooner, torch.no_grad() "
+    "where no backward follows), or allow it: @pytest.mark.memsentry(max_peak={allow!r})"
+)
+
+
+@dataclass(frozen=True)
+class LeakedTensor:
+    """A storage the test created that is still alive after it: its size and device, the
+    tensor that holds it (``float32[512, 1024]``) and who holds that tensor (``None`` when
+    the holder search did not reach it), the line that created it, and whether that tensor
+    carries an autograd graph (``grad_fn``)."""
+
+    bytes: int
+    device: str
+    tensor: str | None
+    holder: str | None
+    site: str | None
+    grad_fn: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """One device's figures for one test, in bytes above what was allocated before its setup.
+
+    ``leaked``: still allocated after the test (after its teardown and ``gc.collect()``), less
+    what wider-scoped fixtures and one-time imports made. ``peak``: the most allocated at once
+    while the test, its fixtures and their teardown ran. ``tensors``: how many storages make up
+    ``leaked``. CUDA only: ``driver``, the growth of the device memory the driver reports used;
+    ``confirmed``, whether the driver saw the leak too (unconfirmed leaks warn, not fail).
+    """
+
+    device: str
+    leaked: int
+    peak: int
+    tensors: int
+    driver: int | None = None
+    confirmed: bool = True
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Everything measured for one test: per-device figures, the largest leaked tensors (at
+    most :data:`TOP`; ``hidden`` more were not listed) and what was left out and why."""
+
+    devices: tuple[DeviceFigures, ...]
+    tensors: tuple[LeakedTensor, ...] = ()
+    hidden: int = 0
+    hidden_bytes: int = 0
+    notes: tuple[str, ...] = ()
+
+    def figures(self, verdict: str) -> dict[str, Any]:
+        """The figures carried on the test's report (``user_properties``), plain data so that
+        pytest-xdist can ship them to the controller for ``--memsentry-report``."""
+        return {
+            "verdict": verdict,
+            "devices": {d.device: {"leaked": d.leaked, "peak": d.peak} for d in self.devices},
+        }
+
+
+@dataclass(frozen=True)
+class Check:
+    """A failed check: ``long_repr`` is the one-line verdict pytest shows for the test,
+    ``section`` the details (the report section titled ``memsentry``), ``status`` what failed
+    (``"leaked"`` or ``"peak"``)."""
+
+    status: str
+    long_repr: str
+    section: str
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def allowance(value: int) -> str:
+    """``value`` as a size string that :func:`parse_size` reads back as at least ``value``
+    (``format_bytes`` rounds to one decimal, which can round down)."""
+    text = format_bytes(value)
+    if parse_size(text) >= value:
+        return text
+    number, unit = text.split()
+    factor = parse_size(f"1 {unit}")
+    step = 10 if "." in number else 1
+    return f"{math.ceil(value * step / factor) / step:g} {unit}"
+
+
+def _limit(value: int | None) -> str:
+    return "no limit" if value is None else f"limit {format_bytes(value)}"
+
+
+def _leaking(figures: DeviceFigures, limits: Limits) -> bool:
+    return figures.leaked > limits.max_leak
+
+
+def _peaking(figures: DeviceFigures, limits: Limits) -> bool:
+    return limits.max_peak is not None and figures.peak > limits.max_peak
+
+
+def _leak_clause(figures: DeviceFigures, limits: Limits) -> str:
+    clause = f"{format_bytes(figures.leaked)} leaked on {figures.device} " \
+             f"({_limit(limits.max_leak)})"
+    if figures.tensors:
+        clause += f" by {plural(figures.tensors, 'tensor')} still alive after the test"
+    else:
+        clause += " still allocated after the test"
+    if figures.driver is not None:
+        clause += f", confirmed by the driver (+{format_bytes(figures.driver)} used)"
+    return clause
+
+
+def _device_line(figures: DeviceFigures, limits: Limits) -> str:
+    line = (f"{figures.device}: {format_bytes(figures.leaked)} left allocated "
+            f"({_limit(limits.max_leak)}), peak {format_bytes(figures.peak)} "
+            f"({_limit(limits.max_peak)})")
+    if figures.driver is not None:
+        line += f"; the driver reports {format_bytes(figures.driver)} more used"
+    return line
+
+
+def _tensor_table(measurement: Measurement, devices: set[str]) -> list[str]:
+    rows = [t for t in measurement.tensors if t.device in devices]
+    if not rows:
+        return []
+    from tabulate import tabulate
+
+    unreached = UNREACHED_WITH_GRAPHS if any(t.grad_fn for t in rows) else UNREACHED
+    rows.sort(key=lambda t: (-t.bytes, t.holder is None, t.holder or ""))
+    table = tabulate(
+        [[format_bytes(t.bytes), t.tensor or "?", t.device,
+          (f"{t.holder}, with grad_fn" if t.grad_fn else t.holder) if t.holder else unreached,
+          t.site or "?"] for t in rows],
+        headers=["bytes", "tensor", "device", "held by", "allocated at"],
+        tablefmt="simple", disable_numparse=True, colalign=("right",),
+    )
+    lines = ["still alive after the test's teardown and gc.collect(), largest first:", table]
+    if measurement.hidden:
+        lines.append(f"and {measurement.hidden} more ({format_bytes(measurement.hidden_bytes)})")
+    return lines
+
+
+def judge(measurement: Measurement, limits: Limits) -> tuple[Check | None, list[str]]:
+    """The verdict on a test that passed: a :class:`Check` when it leaked more than
+    ``limits.max_leak`` or peaked above ``limits.max_peak`` on some device, else ``None``;
+    and warnings (CUDA allocator growth the driver did not confirm)."""
+    warnings = []
+    clauses = []
+    leaked = []
+    for figures in measurement.devices:
+        if not _leaking(figures, limits):
+            continue
+        if figures.confirmed:
+            leaked.append(figures)
+            clauses.append(_leak_clause(figures, limits))
+        else:
+            warnings.append(
+                f"memsentry: the CUDA caching allocator holds {format_bytes(figures.leaked)} "
+                f"more on {figures.device} after the test ({_limit(limits.max_leak)}), but the "
+                f"driver's used memory grew by {format_bytes(figures.driver or 0)}, so the leak "
+                "was not confirmed and the test was not failed; if it repeats, look for "
+                "tensors the test keeps"
+            )
+    peaked = [f for f in measurement.devices if _peaking(f, limits)]
+    for figures in peaked:
+        clauses.append(f"peak {format_bytes(figures.peak)} on {figures.device} above the "
+                       f"limit of {format_bytes(limits.max_peak)} (max_peak)")
+    if not clauses:
+        return None, warnings
+    lines = [_device_line(f, limits) for f in measurement.devices]
+    lines += _tensor_table(measurement, {f.device for f in leaked})
+    lines += measurement.notes
+    if any(t.grad_fn for t in measurement.tensors):
+        lines.append(GRAPH_NOTE)
+    if leaked:
+        lines.append(LEAK_FIX.format(allow=allowance(max(f.leaked for f in leaked))))
+    if peaked:
+        lines.append(PEAK_FIX.format(allow=allowance(max(f.peak for f in peaked))))
+    check = Check(
+        status="leaked" if leaked else "peak",
+        long_repr=f"{NAME}: " + "; ".join(clauses),
+        section="\n".join(lines),
+    )
+    return check, warnings
+
+
+def not_judged(measurement: Measurement, limits: Limits, reason: str) -> str | None:
+    """The section for a test that failed for its own reason while memory was still allocated
+    above the limit: it says the leak was not judged, and why; ``None`` when nothing was."""
+    over = [f for f in measurement.devices if _leaking(f, limits)]
+    if not over:
+        return None
+    still = ", ".join(f"{format_bytes(f.leaked)} on {f.device}" for f in over)
+    return (f"leak not judged: {reason}; {still} still allocated after it "
+            f"({_limit(limits.max_leak)})")
+
+
+def figures_of(user_properties: Iterable[Any]) -> Mapping[str, Any] | None:
+    """The figures a report carries, or ``None`` (pytest-xdist may turn the tuples into
+    lists)."""
+    for entry in user_properties:
+        if len(entry) == 2 and entry[0] == NAME and isinstance(entry[1], Mapping):
+            return entry[1]
+    return None
+
+
+def summary(entries: list[tuple[str, Mapping[str, Any]]], top: int = TOP) -> list[str]:
+    """The ``--memsentry-report`` text: the tests with the largest leaks and the largest peaks
+    (``top`` of each), one row per test and device."""
+    if not entries:
+        return ["no test was measured: run with --memsentry, or mark tests with "
+                "@pytest.mark.memsentry (tests are measured once torch is imported)"]
+    rows = [(nodeid, device, values["leaked"], values["peak"], figures["verdict"])
+            for nodeid, figures in entries
+            for device, values in figures["devices"].items()]
+    from tabulate import tabulate
+
+    headers = ["test", "device", "leaked", "peak", "verdict"]
+    lines = []
+    leaks = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    failed = sum(1 for _nodeid, figures in entries if figures["verdict"] in ("leaked", "peak"))
+    lines.append(f"{plural(len(entries), 'test')} measured, {failed} failed the check")
+    for title, chosen in (("largest leaks", leaks[:top]),
+                          ("largest peaks", sorted(rows, key=lambda r: -r[3])[:top])):
+        if not chosen:
+            lines.append(f"{title}: none")
+            continue
+        lines.append(f"{title}:")
+        lines.append(tabulate(
+            [[r[0], r[1], format_bytes(r[2]), format_bytes(r[3]), r[4]] for r in chosen],
+            headers=headers, tablefmt="simple", disable_numparse=True,
+            colalign=("left", "left", "right", "right", "left"),
+        ))
+    return lines
+
+
+__all__ = ["NAME", "TOP", "Check", "DeviceFigures", "LeakedTensor", "Measurement", "allowance",
+           "figures_of", "judge", "not_judged", "plural", "summary"]
