@@ -38,6 +38,8 @@ from memsentry.rules import analyse
 from memsentry.sources import short_path
 
 _MAX_PENDING_BACKWARD = 20_000
+#: A mallinfo2() sample slower than this, three times, switches to boundary-only sampling.
+_SLOW_SAMPLE_IN_RUN = 100e-6
 _ON_LEAK = ("warn", "raise", "ignore")
 #: The first census comes after the warm-up iterations the rules leave out.
 _FIRST_CENSUS = 2
@@ -234,6 +236,9 @@ class Tracker:
         self._holder_budget = float(holder_budget)
         self._censuses: list[Census] = []
         self._own = 0  # allocated memory the censuses added (their records) or freed (gc)
+        self._coarse = False  # sample at iteration boundaries only (mallinfo2 became slow)
+        self._slow_samples = 0
+        self._coarse_note: str | None = None
         self._cycles_seen = False  # then every census collects all generations
         self._census_errors: list[str] = []
         self._gc_full = [0, 0, 0]  # collections, bytes freed, allocated at the start of one
@@ -349,8 +354,18 @@ class Tracker:
         self._start_backend(device)
 
     # -- sampling ------------------------------------------------------------------------
-    def _sample(self) -> int:
-        allocated, peak = self._backend.sample()  # type: ignore[union-attr]
+    def _sample(self, *, boundary: bool = False) -> int:
+        if self._coarse and not boundary:
+            return self._last_allocated
+        if self._sample_in_ops:  # mallinfo2: watch its cost, which grows with fragmentation
+            started = time.perf_counter()
+            allocated, peak = self._backend.sample()  # type: ignore[union-attr]
+            if time.perf_counter() - started > _SLOW_SAMPLE_IN_RUN:
+                self._slow_samples += 1
+                if self._slow_samples >= 3 and not self._coarse:
+                    self._go_coarse()
+        else:
+            allocated, peak = self._backend.sample()  # type: ignore[union-attr]
         if self._own:  # what the censuses kept or freed is not the program's memory
             allocated -= self._own
             peak = None if peak is None else peak - self._own
@@ -366,6 +381,18 @@ class Tracker:
                 frame.peak = high
         self._last_allocated = allocated
         return allocated
+
+    def _go_coarse(self) -> None:
+        """mallinfo2() became slow (the heap fragmented while the loop ran): from now on sample
+        only at iteration boundaries, so that tracking cannot slow training down."""
+        self._coarse = True
+        self._sample_in_ops = False
+        self._coarse_note = (
+            f"From iteration {self._iter_index} glibc mallinfo2() took over "
+            f"{_SLOW_SAMPLE_IN_RUN * 1e6:.0f} us a call (a fragmented heap), so memsentry "
+            "sampled only at iteration boundaries: later layer figures are not measured. "
+            "track(exact=True) counts tensor storages at a constant cost instead."
+        )
 
     # -- forward -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -561,7 +588,7 @@ class Tracker:
 
     def _close_iteration(self, boundary: str) -> None:
         now = time.perf_counter()
-        allocated = self._sample()
+        allocated = self._sample(boundary=True)
         self._timeline.add(
             IterationStats(
                 index=self._iter_index,
@@ -581,7 +608,7 @@ class Tracker:
         if self._holders and boundary != "exit" and census_due(self._iter_index):
             self._take_census()
             now = time.perf_counter()  # the census's own time is not the loop's
-            allocated = self._sample()
+            allocated = self._sample(boundary=True)
         self._iter_index += 1
         self._iter_start = now
         self._iter_peak = allocated
@@ -665,7 +692,7 @@ class Tracker:
                 torch_version=torch.__version__,
             )
         if self._state == "active":
-            allocated = self._sample()
+            allocated = self._sample(boundary=True)
             reserved = backend.reserved()
             allocator_stats, nvml = self._counters(backend)
         else:  # the block's own record, read at exit
@@ -691,7 +718,7 @@ class Tracker:
             censuses=tuple(self._censuses),
             unused_graphs=self._unused_graphs(),
         )
-        notes = [*self._census_errors] + [
+        notes = [*self._census_errors, *([self._coarse_note] if self._coarse_note else [])] + [
             f"The holder search at iteration {c.iteration} stopped at its "
             f"{self._holder_budget:g} s budget after {c.objects:,} objects; holders beyond "
             "them were not examined (raise track(holder_budget=...))."

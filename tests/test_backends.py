@@ -330,3 +330,39 @@ def test_storage_counter_sees_tensors_made_from_python_data() -> None:
     assert counter.current == 16 and len(counter.live) == 1
     del kept
     assert counter.current == 0
+
+
+def test_a_slow_mallinfo2_makes_the_cpu_backend_count_storages(monkeypatch) -> None:
+    # glibc's mallinfo2() walks every free chunk: on a fragmented heap a call takes ms.
+    import memsentry.backends as backends
+    from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, StorageBackend
+
+    if MALLINFO2_UNAVAILABLE is not None:
+        pytest.skip(MALLINFO2_UNAVAILABLE)
+    monkeypatch.setattr(backends, "SLOW_SAMPLE", 0.0)
+    backend = backends.make_backend(torch.device("cpu"))
+    assert isinstance(backend, StorageBackend)
+    assert any("mallinfo2() took" in note for note in backend.notes)
+
+
+def test_mallinfo2_turning_slow_mid_run_limits_sampling_to_iterations(monkeypatch) -> None:
+    import memsentry.tracker as tracker_module
+    from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE
+
+    if MALLINFO2_UNAVAILABLE is not None:
+        pytest.skip(MALLINFO2_UNAVAILABLE)
+    monkeypatch.setattr(tracker_module, "_SLOW_SAMPLE_IN_RUN", 0.0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(7):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            kept.append(torch.ones(64 * 1024))
+    report = t.report()
+    assert report.backend == "cpu-mallinfo2"
+    assert any("sampled only at iteration boundaries" in note for note in report.notes)
+    assert len(report.iterations) == 7
+    # Leak detection does not depend on per-layer sampling.
+    assert [f.rule for f in report.findings] == ["tensor-accumulation"]

@@ -92,6 +92,11 @@ def _checked_tensor_device(tensor: torch.Tensor, module: torch.nn.Module) -> tor
     return tensor.device
 
 
+#: A mallinfo2() call slower than this (seconds) makes the CPU backend count storages instead;
+#: a tracker takes some 250 samples a step, so 20 us is 5 ms a step.
+SLOW_SAMPLE = 20e-6
+
+
 def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
     """The backend measuring ``device``: CUDA's allocator, glibc counters, or storage counting."""
     _check_supported(device, f"device {str(device)!r}")
@@ -99,4 +104,14 @@ def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
         return CudaBackend(device, exact=exact)
     if exact or MALLINFO2_UNAVAILABLE is not None:
         return StorageBackend()
-    return MallinfoBackend()
+    backend = MallinfoBackend()
+    cost = backend.sample_cost()
+    if cost > SLOW_SAMPLE:
+        storages = StorageBackend()
+        storages.notes = (
+            *storages.notes,
+            f"glibc mallinfo2() took {cost * 1e6:,.0f} us a call on this process's fragmented "
+            "heap (it walks every free chunk), so memsentry counts tensor storages instead.",
+        )
+        return storages
+    return backend

