@@ -38,8 +38,9 @@ from memsentry.rules import analyse
 from memsentry.sources import short_path
 
 _MAX_PENDING_BACKWARD = 20_000
-#: A mallinfo2() sample slower than this, three times, switches to boundary-only sampling.
-_SLOW_SAMPLE_IN_RUN = 100e-6
+#: mallinfo2() calls averaging more than this over a window switch to boundary-only sampling.
+_SLOW_SAMPLE_IN_RUN = 50e-6
+_SAMPLE_WINDOW = 256
 _ON_LEAK = ("warn", "raise", "ignore")
 #: The first census comes after the warm-up iterations the rules leave out.
 _FIRST_CENSUS = 2
@@ -237,7 +238,8 @@ class Tracker:
         self._censuses: list[Census] = []
         self._own = 0  # allocated memory the censuses added (their records) or freed (gc)
         self._coarse = False  # sample at iteration boundaries only (mallinfo2 became slow)
-        self._slow_samples = 0
+        self._samples = 0  # mallinfo2 calls in the current window, and their time
+        self._sample_time = 0.0
         self._coarse_note: str | None = None
         self._cycles_seen = False  # then every census collects all generations
         self._census_errors: list[str] = []
@@ -360,10 +362,12 @@ class Tracker:
         if self._sample_in_ops:  # mallinfo2: watch its cost, which grows with fragmentation
             started = time.perf_counter()
             allocated, peak = self._backend.sample()  # type: ignore[union-attr]
-            if time.perf_counter() - started > _SLOW_SAMPLE_IN_RUN:
-                self._slow_samples += 1
-                if self._slow_samples >= 3 and not self._coarse:
+            self._sample_time += time.perf_counter() - started
+            self._samples += 1
+            if self._samples == _SAMPLE_WINDOW:  # the mean of a window, not one preempted call
+                if self._sample_time / _SAMPLE_WINDOW > _SLOW_SAMPLE_IN_RUN:
                     self._go_coarse()
+                self._samples, self._sample_time = 0, 0.0
         else:
             allocated, peak = self._backend.sample()  # type: ignore[union-attr]
         if self._own:  # what the censuses kept or freed is not the program's memory
@@ -388,8 +392,9 @@ class Tracker:
         self._coarse = True
         self._sample_in_ops = False
         self._coarse_note = (
-            f"From iteration {self._iter_index} glibc mallinfo2() took over "
-            f"{_SLOW_SAMPLE_IN_RUN * 1e6:.0f} us a call (a fragmented heap), so memsentry "
+            f"From iteration {self._iter_index} glibc mallinfo2() took "
+            f"{self._sample_time / _SAMPLE_WINDOW * 1e6:.0f} us a call on average (a "
+            "fragmented heap), so memsentry "
             "sampled only at iteration boundaries: later layer figures are not measured. "
             "track(exact=True) counts tensor storages at a constant cost instead."
         )

@@ -352,6 +352,7 @@ def test_mallinfo2_turning_slow_mid_run_limits_sampling_to_iterations(monkeypatc
     if MALLINFO2_UNAVAILABLE is not None:
         pytest.skip(MALLINFO2_UNAVAILABLE)
     monkeypatch.setattr(tracker_module, "_SLOW_SAMPLE_IN_RUN", 0.0)
+    monkeypatch.setattr(tracker_module, "_SAMPLE_WINDOW", 8)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []
