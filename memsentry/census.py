@@ -46,7 +46,7 @@ _ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, s
           type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
 _OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
            types.FrameType, types.CodeType, types.GeneratorType, types.CoroutineType,
-           types.TracebackType, type, property, staticmethod, classmethod,
+           type, property, staticmethod, classmethod,
            torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
            torch.autograd.graph.Node)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
@@ -195,9 +195,26 @@ def _storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
         return None
 
 
-def _children(obj: Any) -> Iterator[tuple[str, Any, bool]]:
+def _traceback_locals(tb: types.TracebackType, live: set[int]
+                      ) -> Iterator[tuple[str, Any, bool]]:
+    """The locals of the finished frames a traceback keeps (frames still running are roots of
+    their own, and reading theirs here would keep a snapshot alive)."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if id(frame) not in live:
+            for name, value in list(frame.f_locals.items()):
+                yield f"[{frame.f_code.co_name}(): {name}]", value, True
+        tb = tb.tb_next  # type: ignore[assignment]
+
+
+def _children(obj: Any, live: set[int]) -> Iterator[tuple[str, Any, bool]]:
     """(segment, child, positional) for what ``obj`` holds; positional segments (list indices,
-    non-string keys) belong to the container above them."""
+    non-string keys, a traceback's frame locals) belong to the holder above them."""
+    if isinstance(obj, types.TracebackType):
+        yield from _traceback_locals(obj, live)
+        return
+    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
+        yield ".__traceback__", obj.__traceback__, False
     if isinstance(obj, dict):
         for key, value in list(obj.items()):
             yield f"[{key!r}]", value, not isinstance(key, str)
@@ -241,6 +258,7 @@ class _Walk:
         self.items: dict[str, int] = {}
         self.queue: collections.deque[_Item] = collections.deque()
         self.visited = 0
+        self.live_frames: set[int] = set()
 
     def add_root(self, obj: Any, name: str, kind: str, scope: str | None,
                  hint: tuple[str, tuple[str, ...], int | None, int | None]) -> None:
@@ -315,7 +333,7 @@ class _Walk:
             return
         files = item.hint[1]
         source = _source_file(cls) if cls.__module__ != "builtins" else None
-        for segment, child, positional in _children(obj):
+        for segment, child, positional in _children(obj, self.live_frames):
             if id(child) in self.seen or _atomic(child):
                 continue
             if (item.frozen or positional) and self.targets is None:
@@ -554,6 +572,7 @@ def take_census(
     started = time.perf_counter()
     walk = _Walk(_Budget(budget), static, skip)
     frames = user_frames(frame)
+    walk.live_frames = _running_frames(frame)
     namespaces: dict[int, tuple[dict[str, Any], str, str | None]] = {}
     try:
         for user_frame in frames:
@@ -577,6 +596,10 @@ def take_census(
         del frames
     for module in _user_modules():
         namespaces.setdefault(id(vars(module)), (vars(module), module.__name__, module.__file__))
+    last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
+    if last_error is not None:
+        walk.add_root(last_error, "sys.last_value", "global", "module sys",
+                      ("last_value", (), None, None))
     for namespace, module_name, path in namespaces.values():
         for name, value in list(namespace.items()):
             if not name.startswith("__") and not _atomic(value) \
@@ -618,6 +641,7 @@ def find_holders(
     ``budget`` seconds. Nothing found is kept alive.
     """
     walk = _Walk(_Budget(budget), set(), set(), targets=set(pointers))
+    walk.live_frames = _running_frames(sys._getframe())
     for name, obj, kind, scope in roots:
         walk.add_root(obj, name, kind, scope, (name, (), None, None))
     for module in _user_modules():
@@ -631,6 +655,14 @@ def find_holders(
                 walk._add_class(value)
     walk.run()
     return walk.found, not walk.budget.exhausted
+
+
+def _running_frames(frame: types.FrameType | None) -> set[int]:
+    running = set()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
 
 
 def _freeze_holders(walk: _Walk) -> list[HolderStats]:

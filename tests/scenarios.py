@@ -395,6 +395,27 @@ def eval_without_no_grad(steps: int) -> memsentry.Report:
     return t.report()
 
 
+def attempt(model: Classifier, x: torch.Tensor) -> torch.Tensor:
+    """A forward that runs out of memory halfway (simulated)."""
+    hidden = model.encoder(x)
+    raise RuntimeError(f"out of memory (simulated) after {hidden.numel()} activations")
+
+
+def exception_kept(steps: int) -> memsentry.Report:
+    """#16: an out-of-memory retry that keeps the error, its traceback and its frames."""
+    model, opt = _setup()
+    last_error = None
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            try:
+                attempt(model, torch.randn(512, 32))
+            except RuntimeError as error:
+                last_error = error  # the traceback keeps attempt()'s frame and `hidden`
+            _train_step(model, opt)
+    assert last_error is not None
+    return t.report()
+
+
 # -- not leaks -----------------------------------------------------------------------------------
 def clean_loop_with_adam(steps: int) -> memsentry.Report:
     """#26: Adam creates its state in the first step; locals live to the next iteration."""
@@ -551,6 +572,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              models_kept_per_trial, steps=16),
     Scenario("eval without no_grad", "#14", "waste", "missing-no-grad", WASTE, "evaluate",
              eval_without_no_grad),
+    Scenario("exception kept with its frames", "#16", "waste", "exception-frames", WASTE,
+             "last_error", exception_kept),
     Scenario("input-bound loop", "-", "hint", "input-bound", HINT, None, input_bound_loop),
     Scenario("clean loop with Adam warm-up", "#26", "not a leak", None, None, None,
              clean_loop_with_adam),

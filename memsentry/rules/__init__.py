@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from memsentry.report import Finding, Report, Severity
 from memsentry.rules.cycles import reference_cycle
 from memsentry.rules.device import allocator_fragmentation, memory_headroom, non_pytorch_memory
+from memsentry.rules.exceptions import exception_frames
 from memsentry.rules.growth import memory_growth
 from memsentry.rules.holders import retained_graph, tensor_accumulation
 from memsentry.rules.hooks import hook_accumulation
@@ -29,6 +30,7 @@ RULES: dict[str, Rule] = {
     "reference-cycle": reference_cycle,
     "memory-growth": memory_growth,
     "missing-no-grad": missing_no_grad,
+    "exception-frames": exception_frames,
     "allocator-fragmentation": allocator_fragmentation,
     "non-pytorch-memory": non_pytorch_memory,
     "input-bound": input_bound,

@@ -170,6 +170,8 @@ def retained_graph(report: Report) -> list[Finding]:
 
 
 def _is_attribute(holder: HolderStats) -> bool:
+    if holder.name.endswith(".__traceback__"):
+        return False  # a kept exception's frames: the exception-frames rule says it better
     return holder.kind in ("class attribute", "model") or "." in holder.name.split("[", 1)[0]
 
 

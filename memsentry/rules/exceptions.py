@@ -1,0 +1,44 @@
+"""``exception-frames``: a kept exception whose traceback keeps its frames' tensors alive."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memsentry.report import Finding, Report, Severity
+from memsentry.rules.series import complete_censuses, describe_holder, plural
+from memsentry.units import format_bytes
+
+RULE_ID = "exception-frames"
+_TRACEBACK = ".__traceback__"
+
+
+def exception_frames(report: Report) -> list[Finding]:
+    """An exception stored in a variable, attribute or ``sys.last_value`` (an out-of-memory
+    retry that keeps ``error``, a notebook's last error) keeps its traceback, the traceback
+    keeps every frame it passed through, and the frames keep their locals: the tensors of the
+    failed attempt stay allocated. Seen at the last two censuses."""
+    censuses = complete_censuses(report)
+    if len(censuses) < 2:
+        return []
+    earlier = {h.name for h in censuses[-2].holders if h.name.endswith(_TRACEBACK) and h.tensors}
+    findings = []
+    for holder in censuses[-1].holders:
+        if not (holder.name.endswith(_TRACEBACK) and holder.tensors and holder.name in earlier):
+            continue
+        owner = holder.name[: -len(_TRACEBACK)]
+        message = (
+            f"{describe_holder(replace(holder, name=owner))} keeps an exception "
+            f"whose traceback holds the frames it passed through, and with them "
+            f"{plural(holder.tensors, 'tensor')} ({format_bytes(holder.bytes)}) of the failed "
+            "call's locals"
+        )
+        fix = (
+            f"keep what you need from the error, not the error: `str({owner.split('.')[-1]})`"
+            ", or drop its frames with `traceback.clear_frames(error.__traceback__)`; after an "
+            "out-of-memory error, retry outside the `except` block"
+        )
+        findings.append(
+            Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
+                    bytes=holder.bytes, rate=None, where=holder.where or owner)
+        )
+    return findings
