@@ -373,6 +373,24 @@ def models_kept_per_trial(steps: int) -> memsentry.Report:
     return t.report()
 
 
+#: What IPython's output history is in a notebook's namespace: cell number -> result.
+Out: dict[int, object] = {}
+
+
+def notebook_output_history(steps: int) -> memsentry.Report:
+    """#13 (simulated: the history IPython keeps, without IPython): every cell ends with a
+    tensor, which the shell stores in ``Out[n]``."""
+    model, opt = _setup()
+    try:
+        with memsentry.track(model, on_leak="ignore") as t:
+            for cell in range(steps):
+                _train_step(model, opt)
+                Out[cell] = model(torch.randn(64, 32))  # the value the cell displays
+        return t.report()
+    finally:
+        Out.clear()
+
+
 # -- waste ---------------------------------------------------------------------------------------
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """An evaluation pass that forgot torch.no_grad()."""
@@ -413,6 +431,20 @@ def exception_kept(steps: int) -> memsentry.Report:
                 last_error = error  # the traceback keeps attempt()'s frame and `hidden`
             _train_step(model, opt)
     assert last_error is not None
+    return t.report()
+
+
+def big_batches_outlive_the_step(steps: int) -> memsentry.Report:
+    """#15: the batch and its outputs of step i are alive while step i+1 loads and runs."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            inputs, labels = _batch(16384)  # 2 MiB of inputs
+            logits = model(inputs)
+            loss = nn.functional.cross_entropy(logits, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
     return t.report()
 
 
@@ -570,10 +602,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              "model.last", module_attribute_pins_a_graph),
     Scenario("models kept per trial", "#12", "leak", "tensor-accumulation", LEAK, "results",
              models_kept_per_trial, steps=16),
+    Scenario("notebook output history (simulated)", "#13", "leak", "tensor-accumulation",
+             LEAK, "IPython's output history", notebook_output_history),
     Scenario("eval without no_grad", "#14", "waste", "missing-no-grad", WASTE, "evaluate",
              eval_without_no_grad),
     Scenario("exception kept with its frames", "#16", "waste", "exception-frames", WASTE,
              "last_error", exception_kept),
+    Scenario("loop variables outlive the step", "#15", "hint", "loop-variables", HINT,
+             "`inputs`", big_batches_outlive_the_step),
     Scenario("input-bound loop", "-", "hint", "input-bound", HINT, None, input_bound_loop),
     Scenario("clean loop with Adam warm-up", "#26", "not a leak", None, None, None,
              clean_loop_with_adam),

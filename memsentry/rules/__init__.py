@@ -17,6 +17,7 @@ from memsentry.rules.exceptions import exception_frames
 from memsentry.rules.growth import memory_growth
 from memsentry.rules.holders import retained_graph, tensor_accumulation
 from memsentry.rules.hooks import hook_accumulation
+from memsentry.rules.loopvars import loop_variables
 from memsentry.rules.nograd import missing_no_grad
 from memsentry.rules.timing import input_bound
 
@@ -34,6 +35,7 @@ RULES: dict[str, Rule] = {
     "allocator-fragmentation": allocator_fragmentation,
     "non-pytorch-memory": non_pytorch_memory,
     "input-bound": input_bound,
+    "loop-variables": loop_variables,
     "memory-headroom": memory_headroom,
 }
 

@@ -6,11 +6,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memsentry.report import Finding, HolderStats, Report, Severity
-from memsentry.rules.series import describe_holder, holder_series, per_iteration, trend
+from memsentry.rules.series import (
+    describe_holder,
+    holder_series,
+    per_iteration,
+    root_name,
+    trend,
+)
 from memsentry.units import format_bytes
 
 ACCUMULATION = "tensor-accumulation"
 RETAINED_GRAPH = "retained-graph"
+
+
+#: Names under which IPython keeps cell results in a notebook's namespace.
+_IPYTHON_HISTORY = frozenset({"Out", "_oh", "_", "__", "___"})
 
 
 def _count(holder: HolderStats) -> float:
@@ -85,7 +95,18 @@ def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str
         if last.graph_saved_bytes:
             message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
         message += ") alive"
-    if last.modules:
+    ipython = root_name(label) in _IPYTHON_HISTORY
+    if ipython:
+        message += (
+            "; this is IPython's output history, which keeps the result of every cell that "
+            "ends with an expression (`del` and `torch.cuda.empty_cache()` do not free it)"
+        )
+    if ipython:
+        fix = (
+            "end such cells with `;` (or assign the result), drop kept results with "
+            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
+        )
+    elif last.modules:
         fix = (
             "keep results, not models: store the score and, for the best model only, a "
             "CPU copy of state_dict(); `del` the model and optimizer after each trial"
