@@ -117,8 +117,10 @@ def _frame_locals(frame: types.FrameType) -> dict[str, Any]:
 
 def _release_locals(frame: types.FrameType) -> None:
     """Before Python 3.13 reading ``f_locals`` leaves a snapshot dict on a function frame that
-    keeps every local's value alive after the code rebinds it; empty it again (the interpreter
-    refreshes it whenever someone reads it, debuggers included)."""
+    keeps every local's value alive after the code rebinds it; empty it again. The interpreter
+    refreshes it whenever someone reads it (debuggers, ``locals()``); the one visible effect is
+    on a dict that the function got from ``locals()`` earlier and still reads without calling
+    ``locals()`` again: it is that same dict, and it is empty after a census."""
     if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
         snapshot = frame.f_locals
         if snapshot is not frame.f_globals:
