@@ -100,6 +100,17 @@ def _source_file(cls: type) -> str | None:
     return path
 
 
+def user_site() -> tuple[str, str] | None:
+    """(``file:line``, function) of the innermost frame of the user's code on the stack, or
+    ``None`` when there is none."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}", frame.f_code.co_name
+
+
 def user_frames(start: types.FrameType | None) -> list[types.FrameType]:
     """The user's frames on the stack, innermost first."""
     frames = []
@@ -710,4 +721,4 @@ def _gradient_holders(walk: _Walk, modules: list[tuple[str, nn.Module]]) -> list
 
 
 __all__ = ["HeldTensor", "find_holders", "garbage_census", "hook_census", "is_machinery_frame",
-           "take_census", "user_frames"]
+           "take_census", "user_frames", "user_site"]

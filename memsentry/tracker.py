@@ -30,12 +30,11 @@ from torch.utils._pytree import tree_leaves
 
 from memsentry.backends import device_of_module, make_backend, nvml_query, parse_device
 from memsentry.backends.base import MemoryBackend
-from memsentry.census import garbage_census, is_machinery_frame, take_census
+from memsentry.census import garbage_census, take_census, user_site
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.recording import LayerRecord, LayerRegistry, Timeline, storage_bytes
 from memsentry.report import Census, IterationStats, Report, Severity, UnusedGraph
 from memsentry.rules import analyse
-from memsentry.sources import short_path
 
 _MAX_PENDING_BACKWARD = 20_000
 #: mallinfo2() calls averaging more than this over a window switch to boundary-only sampling.
@@ -71,16 +70,6 @@ class _RootCall:
 
     def mark_used(self, _grad_outputs: Any) -> None:
         self.used = True
-
-
-def _caller() -> tuple[str | None, str | None]:
-    """``file:line`` and function of the innermost user frame."""
-    frame = sys._getframe(2)
-    while frame is not None and is_machinery_frame(frame):
-        frame = frame.f_back
-    if frame is None:
-        return None, None
-    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}", frame.f_code.co_name
 
 
 @dataclass(eq=False)
@@ -470,7 +459,7 @@ class Tracker:
         call = _RootCall(name, not module.training,
                          frame.saved_bytes if self._saved_tensors else None)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
-        call.where, call.function = _caller()
+        call.where, call.function = user_site() or (None, None)
         self._root_calls.append(call)
 
     def _settle_root_calls(self) -> None:

@@ -5,7 +5,8 @@ torch and memsentry).
 
 CPU: a storage-counting dispatch mode (``memsentry.backends.cpu.StorageCounter``) is active from
 before the test's setup to after its teardown; afterwards it holds the storages made in that
-window that are still alive, their bytes and the line that made each.
+window that are still alive, their bytes and the line that made each (where CUDA is
+initialised, the CUDA storages too, so that a CUDA leak can name its tensors).
 
 CUDA, once PyTorch initialised CUDA (a test that initialises it is not checked there: the
 context is a one-time cost): the caching allocator's allocated bytes and the driver's used
@@ -32,16 +33,14 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import pytest
 import torch
-from torch.utils._pytree import tree_leaves
 
 from memsentry.backends.cpu import StorageCounter
-from memsentry.census import HeldTensor, find_holders, is_machinery_frame
+from memsentry.census import HeldTensor, find_holders
 from memsentry.sources import short_path
 from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import TOP, DeviceFigures, LeakedTensor, Measurement, plural
@@ -106,58 +105,12 @@ class TorchCuda:
 
 
 # -- counting storages -----------------------------------------------------------------------
-def _pointer(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _site() -> str:
-    frame = sys._getframe(2)
-    while frame is not None and is_machinery_frame(frame):
-        frame = frame.f_back
-    return "?" if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
-
-
-class _Counter(StorageCounter):
-    """memsentry's CPU storage counter that also remembers the CUDA storages made while it is
-    active (pointer -> device, bytes, line), so a CUDA leak can name its tensors; their bytes
-    stay out of the CPU figures. Used only where CUDA is initialised."""
-
-    def __init__(self) -> None:
-        super().__init__(sites=True)
-        self.device_live: dict[int, tuple[str, int, str]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        made = [t for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-        if made:
-            inputs = {_pointer(t) for t in tree_leaves((args, kwargs or {}))
-                      if isinstance(t, torch.Tensor)}
-            for tensor in made:
-                self._see_device(tensor, inputs)
-        return out
-
-    def _see_device(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        key = storage.data_ptr()
-        if key == 0 or key in self.device_live or key in inputs:
-            return
-        self.device_live[key] = (str(tensor.device), storage.nbytes(), _site())
-        weakref.finalize(storage, self.device_live.pop, key, None)
-
-
 @functools.cache
 def warm_up() -> None:
     """Run one op under each counter, once per process and outside any test: the first op
     under a dispatch mode imports ``torch._dynamo`` (about a second), a one-time cost that is
     no test's time or memory."""
-    for counter in (StorageCounter(), _Counter()):
+    for counter in (StorageCounter(), StorageCounter(sites=True, other_devices=True)):
         with counter:
             torch.zeros(1).add_(1)
 
@@ -256,7 +209,7 @@ class Window:
                                             self._cuda.driver_used(device))
                 self._cuda.reset_peak(device)
             self._alive_fixtures = {f for f in self._fixture_growth if _alive(f)}
-        self._counter = _Counter() if self._cuda_start else StorageCounter(sites=True)
+        self._counter = StorageCounter(sites=True, other_devices=bool(self._cuda_start))
         self._counter.__enter__()
         self._active = True
 
@@ -274,7 +227,7 @@ class Window:
         assert counter is not None
         live = {p: ("cpu", size, (counter.sites or {}).get(p, "?"))
                 for p, size in list(counter.live.items())}
-        live.update(getattr(counter, "device_live", {}))
+        live.update(counter.device_live or {})
         return live
 
     # -- wider-scoped fixtures ---------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import time
 import weakref
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from memsentry.census import user_site
 
 _MALLINFO2_FIELDS = (
     "arena",
@@ -132,15 +133,25 @@ def _storage_key(tensor: torch.Tensor) -> int:
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
+def _site() -> str:
+    site = user_site()
+    return site[0] if site else "?"
+
+
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created by ops while the mode is active; ``live``
-    maps the storages still alive to their size. With ``sites``, also remembers the user's
-    line that created each one (``file:line``), for leak reports."""
+    maps the CPU storages still alive to their size. With ``sites``, also remembers the user's
+    line that created each one (``file:line``), for leak reports. With ``other_devices``,
+    ``device_live`` also maps the storages made on other devices (CUDA) that are still alive
+    to (device, bytes, line); they stay out of the CPU figures."""
 
-    def __init__(self, *, sites: bool = False) -> None:
+    def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
         self.sites: dict[int, str] | None = {} if sites else None
+        self.device_live: dict[int, tuple[str, int, str]] | None = (
+            {} if other_devices else None
+        )
         self.current = 0
         self.peak = 0
 
@@ -154,44 +165,54 @@ class StorageCounter(TorchDispatchMode):
             inputs = set()
         out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.device.type == "cpu":
                 self._see(leaf, inputs)
+            elif self.device_live is not None:
+                self._see_device(leaf, inputs)
         return out
 
-    def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+    @staticmethod
+    def _new_storage(tensor: torch.Tensor, inputs: set[int],
+                     known: dict[int, Any]) -> tuple[int, Any] | None:
+        """(pointer, storage) when ``tensor``'s storage is new: not an input's, not known."""
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return
+            return None
         key = storage.data_ptr()
-        if key == 0 or key in self.live or key in inputs:
+        if key == 0 or key in known or key in inputs:
+            return None
+        return key, storage
+
+    def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        new = self._new_storage(tensor, inputs, self.live)
+        if new is None:
             return
+        key, storage = new
         size = storage.nbytes()
         self.live[key] = size
         if self.sites is not None:
-            self.sites[key] = _user_line()
+            self.sites[key] = _site()
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
         weakref.finalize(storage, self._free, key)
 
+    def _see_device(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        assert self.device_live is not None
+        new = self._new_storage(tensor, inputs, self.device_live)
+        if new is None:
+            return
+        key, storage = new
+        self.device_live[key] = (str(tensor.device), storage.nbytes(), _site())
+        weakref.finalize(storage, self.device_live.pop, key, None)
+
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
         if self.sites is not None:
             self.sites.pop(key, None)
-
-
-def _user_line() -> str:
-    """``file:line`` of the innermost frame outside torch, memsentry and pytest."""
-    from memsentry.census import is_machinery_frame
-    from memsentry.sources import short_path
-
-    frame = sys._getframe(2)
-    while frame is not None and is_machinery_frame(frame):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 class StorageBackend:
