@@ -86,12 +86,12 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    # Not cached in this module's namespace: the name always resolves through sys.modules, so
+    # it cannot outlive a reload of its module (pytester restores sys.modules after a run).
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'memsentry' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_memsentry.sizes import parse_size
+from memsentry.units import parse_size
 
 #: What a size argument accepts, for messages.
 SIZE_FORMS = "bytes (an int) or a string like '512 KiB', '2GB', '1.5 MiB'"

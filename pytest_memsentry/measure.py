@@ -42,9 +42,9 @@ import torch
 from memsentry.backends.cpu import StorageCounter
 from memsentry.census import HeldTensor, find_holders
 from memsentry.sources import short_path
+from memsentry.units import format_bytes
 from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import TOP, DeviceFigures, LeakedTensor, Measurement, plural
-from pytest_memsentry.sizes import format_bytes
 
 #: Seconds the holder search may take for all the listed tensors of one test together.
 HOLDER_BUDGET = 1.0

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
+from memsentry.units import parse_size
 from pytest_memsentry.marks import MARKERS, Limits, limits_for, marker_help
 from pytest_memsentry.results import NAME, figures_of, judge, not_judged, summary
-from pytest_memsentry.sizes import parse_size
 
 if TYPE_CHECKING:
     from memsentry import Tracker

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from memsentry.units import format_bytes, parse_size
 from pytest_memsentry.marks import Limits
-from pytest_memsentry.sizes import format_bytes, parse_size
 
 #: Leaked tensors listed in a failure's section; the rest are counted.
 TOP = 10

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from memsentry.units import parse_size
 from pytest_memsentry import marks
 from pytest_memsentry.marks import Limits
 from pytest_memsentry.measure import warm_up
@@ -26,7 +27,6 @@ from pytest_memsentry.results import (
     judge,
     summary,
 )
-from pytest_memsentry.sizes import parse_size
 
 pytest_plugins = ["pytester"]
 
@@ -622,7 +622,7 @@ def test_memsentry_fixture_gives_an_active_tracker(pytester):
 # -- torch is never imported for nothing ---------------------------------------------------------
 def test_plugin_does_not_import_torch():
     code = ("import sys, pytest_memsentry.plugin\n"
-            "from pytest_memsentry.sizes import parse_size\n"
+            "from memsentry.units import parse_size\n"
             "assert parse_size('1 MiB') == 1048576\n"
             "assert 'torch' not in sys.modules and 'memsentry.tracker' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
