@@ -279,6 +279,20 @@ class _Walk:
             return
         self.queue.append(_Item(obj, name, kind, scope, hint, 0, False))
 
+    def add_globals(self, namespace: dict[str, Any], module_name: str, path: str | None, *,
+                    classes: bool = False) -> None:
+        """A module's globals as roots (and, with ``classes``, its classes' attributes)."""
+        scope = short_path(path) if module_name == "__main__" and path \
+            else f"module {module_name}"
+        files = (path,) if path else ()
+        for name, value in list(namespace.items()):
+            if name.startswith("__"):
+                continue
+            if not _atomic(value) and not isinstance(value, _OPAQUE):
+                self.add_root(value, name, "global", scope, (name, files, None, None))
+            elif classes and isinstance(value, type):
+                self._add_class(value)
+
     def _holder(self, item: _Item) -> _Holder:
         holder = self.holders.get(item.holder)
         if holder is None:
@@ -594,11 +608,10 @@ def take_census(
             is_function = bool(code.co_flags & inspect.CO_OPTIMIZED)
             if is_function:
                 scope = f"{code.co_name}() in {short_path(path)}"
-                function_line = code.co_firstlineno if is_function else None
                 for name, value in _frame_locals(user_frame).items():
                     if name.isidentifier():
                         walk.add_root(value, name, "local", scope,
-                                      (name, (path,), function_line, user_frame.f_lineno))
+                                      (name, (path,), code.co_firstlineno, user_frame.f_lineno))
             namespaces.setdefault(
                 id(user_frame.f_globals),
                 (user_frame.f_globals, user_frame.f_globals.get("__name__", "?"), path),
@@ -614,13 +627,7 @@ def take_census(
         walk.add_root(last_error, "sys.last_value", "global", "module sys",
                       ("last_value", (), None, None))
     for namespace, module_name, path in namespaces.values():
-        for name, value in list(namespace.items()):
-            if not name.startswith("__") and not _atomic(value) \
-                    and not isinstance(value, _OPAQUE):
-                scope = short_path(path) if module_name == "__main__" and path \
-                    else f"module {module_name}"
-                walk.add_root(value, name, "global", scope,
-                              (name, (path,) if path else (), None, None))
+        walk.add_globals(namespace, module_name, path)
     if model is not None:
         walk.add_root(model, type(model).__name__, "model", None,
                       (type(model).__name__, (), None, None))
@@ -658,14 +665,7 @@ def find_holders(
     for name, obj, kind, scope in roots:
         walk.add_root(obj, name, kind, scope, (name, (), None, None))
     for module in _user_modules():
-        scope = short_path(module.__file__) if module.__name__ == "__main__" and \
-            module.__file__ else f"module {module.__name__}"
-        for name, value in list(vars(module).items()):
-            if not name.startswith("__") and not _atomic(value) \
-                    and not isinstance(value, _OPAQUE):
-                walk.add_root(value, name, "global", scope, (name, (), None, None))
-            elif isinstance(value, type):
-                walk._add_class(value)
+        walk.add_globals(vars(module), module.__name__, module.__file__, classes=True)
     walk.run()
     return walk.found, not walk.budget.exhausted
 

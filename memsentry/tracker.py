@@ -650,8 +650,6 @@ class Tracker:
                 f"({type(exc).__name__}: {exc}); please report this to memsentry."
             )
             return
-        finally:
-            model = None
         self._censuses.append(census)
         self._own += backend.allocated() - before
 
