@@ -71,6 +71,20 @@ class _RootCall:
     def mark_used(self, _grad_outputs: Any) -> None:
         self.used = True
 
+    def fold_into(self, known: UnusedGraph | None) -> UnusedGraph:
+        """This unused call added to what is ``known`` of its module's unused calls."""
+        saved = self.saved
+        if known is not None and known.saved_bytes is not None and saved is not None:
+            saved = max(saved, known.saved_bytes)
+        return UnusedGraph(
+            module=self.name,
+            calls=(known.calls if known else 0) + 1,
+            eval_calls=(known.eval_calls if known else 0) + self.eval_mode,
+            saved_bytes=saved,
+            where=known.where if known and known.where else self.where,
+            function=known.function if known and known.function else self.function,
+        )
+
 
 @dataclass(eq=False)
 class _Frame:
@@ -468,18 +482,7 @@ class Tracker:
                 handle.remove()
             if call.used:
                 continue
-            known = self._unused.get(call.name)
-            saved = call.saved
-            if known is not None and known.saved_bytes is not None and saved is not None:
-                saved = max(saved, known.saved_bytes)
-            self._unused[call.name] = UnusedGraph(
-                module=call.name,
-                calls=(known.calls if known else 0) + 1,
-                eval_calls=(known.eval_calls if known else 0) + call.eval_mode,
-                saved_bytes=saved,
-                where=(known.where if known and known.where else call.where),
-                function=(known.function if known and known.function else call.function),
-            )
+            self._unused[call.name] = call.fold_into(self._unused.get(call.name))
         self._root_calls.clear()
 
     # -- saved tensors -------------------------------------------------------------------
@@ -725,8 +728,7 @@ class Tracker:
         unused = dict(self._unused)
         for call in self._root_calls:
             if not call.used and call.name not in unused:
-                unused[call.name] = UnusedGraph(call.name, 1, int(call.eval_mode), call.saved,
-                                                call.where, call.function)
+                unused[call.name] = call.fold_into(None)
         return tuple(unused.values())
 
 
