@@ -9,19 +9,30 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from memsentry.version import __version__
 
 _EXPORTS = {
-    "Census": "memsentry.report",
-    "Finding": "memsentry.report",
-    "GarbageStats": "memsentry.report",
-    "HolderStats": "memsentry.report",
-    "HookStats": "memsentry.report",
-    "IterationStats": "memsentry.report",
-    "LayerStats": "memsentry.report",
+    "Boundary": "memsentry.model",
+    "Census": "memsentry.model",
+    "Finding": "memsentry.model",
+    "GarbageStats": "memsentry.model",
+    "HolderKind": "memsentry.model",
+    "HolderStats": "memsentry.model",
+    "HookStats": "memsentry.model",
+    "IterationStats": "memsentry.model",
+    "LayerStats": "memsentry.model",
+    "Location": "memsentry.model",
+    "PeakMode": "memsentry.model",
+    "ReportData": "memsentry.model",
+    "Scope": "memsentry.model",
+    "ScopeKind": "memsentry.model",
+    "Severity": "memsentry.model",
+    "Step": "memsentry.model",
+    "StepKind": "memsentry.model",
+    "Subject": "memsentry.model",
+    "SubjectKind": "memsentry.model",
+    "UnusedGraph": "memsentry.model",
     "Report": "memsentry.report",
-    "Severity": "memsentry.report",
-    "UnusedGraph": "memsentry.report",
     "LeakError": "memsentry.errors",
     "LeakWarning": "memsentry.errors",
     "MemsentryError": "memsentry.errors",
@@ -29,6 +40,7 @@ _EXPORTS = {
     "UnsupportedDeviceError": "memsentry.errors",
     "RULES": "memsentry.rules",
     "analyse": "memsentry.rules",
+    "REPORTERS": "memsentry.reporters",
     "Tracker": "memsentry.tracker",
     "track": "memsentry.tracker",
     "format_bytes": "memsentry.units",
@@ -36,19 +48,31 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "REPORTERS",
     "RULES",
+    "Boundary",
     "Census",
     "Finding",
     "GarbageStats",
+    "HolderKind",
     "HolderStats",
     "HookStats",
     "IterationStats",
     "LayerStats",
     "LeakError",
     "LeakWarning",
+    "Location",
     "MemsentryError",
+    "PeakMode",
     "Report",
+    "ReportData",
+    "Scope",
+    "ScopeKind",
     "Severity",
+    "Step",
+    "StepKind",
+    "Subject",
+    "SubjectKind",
     "Tracker",
     "TrackerStateError",
     "UnsupportedDeviceError",
@@ -68,22 +92,33 @@ if TYPE_CHECKING:
         TrackerStateError,
         UnsupportedDeviceError,
     )
-    from memsentry.report import (
+    from memsentry.model import (
+        Boundary,
         Census,
         Finding,
         GarbageStats,
+        HolderKind,
         HolderStats,
         HookStats,
         IterationStats,
         LayerStats,
-        Report,
+        Location,
+        PeakMode,
+        ReportData,
+        Scope,
+        ScopeKind,
         Severity,
+        Step,
+        StepKind,
+        Subject,
+        SubjectKind,
         UnusedGraph,
     )
+    from memsentry.report import Report
+    from memsentry.reporters import REPORTERS
     from memsentry.rules import RULES, analyse
     from memsentry.tracker import Tracker, track
     from memsentry.units import format_bytes, parse_size
-
 
 def __getattr__(name: str) -> Any:
     # Not cached in this module's namespace: the name always resolves through sys.modules, so

@@ -3,7 +3,7 @@
 Imported only when a checked test starts and torch is already imported (this module imports
 torch and memsentry).
 
-CPU: a storage-counting dispatch mode (``memsentry.backends.cpu.StorageCounter``) is active from
+CPU: a storage-counting dispatch mode (``memsentry.measure.storage.StorageCounter``) is active from
 before the test's setup to after its teardown; afterwards it holds the storages made in that
 window that are still alive, their bytes and the line that made each (where CUDA is
 initialised, the CUDA storages too, so that a CUDA leak can name its tensors).
@@ -39,10 +39,11 @@ from typing import Any, Protocol
 import pytest
 import torch
 
-from memsentry.backends.cpu import StorageCounter
-from memsentry.census import HeldTensor, find_holders
-from memsentry.sources import short_path
+from memsentry.census import Root, find_holders
+from memsentry.measure.storage import StorageCounter
+from memsentry.model import HeldTensor, HolderKind, Location, Scope, ScopeKind, Step, StepKind
 from memsentry.units import format_bytes
+from memsentry.usercode.lines import short_path
 from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import TOP, DeviceFigures, LeakedTensor, Measurement, plural
 
@@ -137,42 +138,50 @@ def _wider_fixtures(item: pytest.Item) -> Iterator[tuple[str, str, Any]]:
         return
 
 
-def holder_roots(item: pytest.Item) -> list[tuple[str, Any, str, str | None]]:
+def _root(*names: str) -> tuple[Step, ...]:
+    return (Step(StepKind.ROOT, names[0]), *(Step(StepKind.ATTRIBUTE, n) for n in names[1:]))
+
+
+def holder_roots(item: pytest.Item) -> list[Root]:
     """Where to look for what a test left behind, named as the test file spells it: the test
     instance (pytest keeps it until the session ends), the test class's attributes, the test
     module's globals and the wider-scoped fixtures still set up."""
-    roots: list[tuple[str, Any, str, str | None]] = []
+    roots: list[Root] = []
     instance = getattr(item, "instance", None)
     if instance is not None:
-        roots.append(("self", instance, "test instance", None))
+        roots.append((_root("self"), instance, HolderKind.TEST_INSTANCE, None))
     cls = getattr(item, "cls", None)
     if cls is not None:
+        scope = Scope(ScopeKind.CLASS, cls.__qualname__)
         for name, value in list(vars(cls).items()):
             if not name.startswith("__"):
-                roots.append((f"{cls.__qualname__}.{name}", value, "class attribute", None))
+                roots.append((_root(cls.__qualname__, name), value, HolderKind.CLASS_ATTRIBUTE,
+                              scope))
     module = getattr(item, "module", None)
     path = getattr(module, "__file__", None)
     if module is not None:
-        scope = short_path(path) if path else module.__name__
+        scope = Scope(ScopeKind.SCRIPT, short_path(path)) if path \
+            else Scope(ScopeKind.MODULE, module.__name__)
         for name, value in list(vars(module).items()):
             if not name.startswith("__"):
-                roots.append((name, value, "global", scope))
-    for name, scope, value in _wider_fixtures(item):
-        roots.append((f"fixture {name!r}", value, "fixture", f"{scope} scope"))
+                roots.append((_root(name), value, HolderKind.GLOBAL, scope))
+    for name, fixture_scope, value in _wider_fixtures(item):
+        roots.append((_root(f"fixture {name!r}"), value, HolderKind.FIXTURE,
+                      Scope(ScopeKind.FIXTURE, fixture_scope)))
     return roots
 
 
 def _describe(held: HeldTensor) -> tuple[str, str]:
     tensor = f"{held.dtype}[{', '.join(map(str, held.shape))}]"
-    if held.kind == "test instance":
+    if held.kind == HolderKind.TEST_INSTANCE:
         where = "test instance; pytest keeps it until the session ends"
-    elif held.kind == "fixture":
+    elif held.kind == HolderKind.FIXTURE:
         where = f"{held.scope} fixture"
-    elif held.kind == "global" and held.scope:
-        where = f"global in {held.scope.removeprefix('module ')}"
+    elif held.kind == HolderKind.GLOBAL and held.scope:
+        where = f"global in {held.scope.name}"
     else:
-        where = held.kind
-    return tensor, f"{held.holder} ({where})"
+        where = str(held.kind)
+    return tensor, f"{held.name} ({where})"
 
 
 # -- one test --------------------------------------------------------------------------------
@@ -222,10 +231,10 @@ class Window:
         """Stop counting without measuring (a skipped test, an interrupted run)."""
         self._stop()
 
-    def _live(self) -> dict[int, tuple[str, int, str]]:
+    def _live(self) -> dict[int, tuple[str, int, Location | None]]:
         counter = self._counter
         assert counter is not None
-        live = {p: ("cpu", size, (counter.sites or {}).get(p, "?"))
+        live = {p: ("cpu", size, (counter.sites or {}).get(p))
                 for p, size in list(counter.live.items())}
         live.update(counter.device_live or {})
         return live
@@ -271,7 +280,7 @@ class Window:
                          "up: the fixture keeps it until its scope ends")
         candidates = {p: v for p, v in live.items() if p not in self._owned}
         imported = self._imported_files()
-        once = {p: v for p, v in candidates.items() if v[2].rpartition(":")[0] in imported}
+        once = {p: v for p, v in candidates.items() if v[2] is not None and v[2].file in imported}
         if once:
             notes.append(f"not counted: {format_bytes(sum(v[1] for v in once.values()))} "
                          f"({plural(len(once), 'tensor')}) made by modules first imported "
@@ -298,7 +307,8 @@ class Window:
             found, complete = find_holders({pointer}, roots, budget=budget)
             incomplete |= not complete
             tensor, holder = _describe(found[0]) if found else (None, None)
-            tensors.append(LeakedTensor(size, device, tensor, holder, site,
+            tensors.append(LeakedTensor(size, device, tensor, holder,
+                                        str(site) if site is not None else None,
                                         grad_fn=bool(found) and found[0].grad_fn))
         if incomplete:
             notes.append(f"the holder search stopped after {HOLDER_BUDGET:g} s: some holders "
@@ -315,7 +325,7 @@ class Window:
                 files.add(short_path(path))
         return files
 
-    def _cuda_adjustment(self, once: dict[int, tuple[str, int, str]]) -> dict[int, int]:
+    def _cuda_adjustment(self, once: dict[int, tuple[str, int, Location | None]]) -> dict[int, int]:
         """Bytes per CUDA device the test is not answerable for: what wider-scoped fixtures set
         up in this test still hold and what first imports made (minus), and what
         wider-scoped fixtures set up before it released at its teardown (plus)."""
@@ -336,7 +346,7 @@ class Window:
                 adjust[index] += size
         return adjust
 
-    def _cuda_figures(self, candidates: dict[int, tuple[str, int, str]],
+    def _cuda_figures(self, candidates: dict[int, tuple[str, int, Location | None]],
                       adjust: dict[int, int], limits: Limits, *,
                       judged: bool) -> list[DeviceFigures]:
         cuda = self._cuda

@@ -10,10 +10,11 @@ from conftest import MiB, make_mlp, train
 from torch import nn
 
 import memsentry
-from memsentry.backends import make_backend, parse_device
-from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, StorageBackend
-from memsentry.backends.nvml import NvmlInfo, query
-from memsentry.machine import collect
+from memsentry.measure import make_backend, parse_device
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
+from memsentry.measure.machine import collect
+from memsentry.measure.nvml import NvmlInfo, query
+from memsentry.measure.storage import StorageBackend
 
 FOUR_MIB = 4 * MiB
 
@@ -185,7 +186,7 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.mark.cuda
 def test_cuda_backend_matches_torch_allocator_stats() -> None:
-    from memsentry.backends.cuda import CudaBackend
+    from memsentry.measure.cuda import CudaBackend
 
     backend = CudaBackend(CUDA)
     assert backend.device == CUDA and backend.peak_mode == "sampled"
@@ -322,7 +323,7 @@ def test_cpu_model_trains_under_tracking_on_any_machine() -> None:
 
 def test_storage_counter_sees_tensors_made_from_python_data() -> None:
     # torch.tensor() builds its storage outside dispatch, then lifts it (aten.lift_fresh).
-    from memsentry.backends.cpu import StorageCounter
+    from memsentry.measure.storage import StorageCounter
 
     counter = StorageCounter()
     with counter:
@@ -334,8 +335,9 @@ def test_storage_counter_sees_tensors_made_from_python_data() -> None:
 
 def test_a_slow_mallinfo2_makes_the_cpu_backend_count_storages(monkeypatch) -> None:
     # glibc's mallinfo2() walks every free chunk: on a fragmented heap a call takes ms.
-    import memsentry.backends as backends
-    from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, StorageBackend
+    import memsentry.measure as backends
+    from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE
+    from memsentry.measure.storage import StorageBackend
 
     if MALLINFO2_UNAVAILABLE is not None:
         pytest.skip(MALLINFO2_UNAVAILABLE)
@@ -346,13 +348,13 @@ def test_a_slow_mallinfo2_makes_the_cpu_backend_count_storages(monkeypatch) -> N
 
 
 def test_mallinfo2_turning_slow_mid_run_limits_sampling_to_iterations(monkeypatch) -> None:
-    import memsentry.tracker as tracker_module
-    from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE
+    import memsentry.record.sampler as sampler_module
+    from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE
 
     if MALLINFO2_UNAVAILABLE is not None:
         pytest.skip(MALLINFO2_UNAVAILABLE)
-    monkeypatch.setattr(tracker_module, "_SLOW_SAMPLE_IN_RUN", 0.0)
-    monkeypatch.setattr(tracker_module, "_SAMPLE_WINDOW", 8)
+    monkeypatch.setattr(sampler_module, "SLOW_SAMPLE_IN_RUN", 0.0)
+    monkeypatch.setattr(sampler_module, "SAMPLE_WINDOW", 8)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []

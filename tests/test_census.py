@@ -13,7 +13,7 @@ from torch import nn
 
 import memsentry
 from memsentry.census import hook_census
-from memsentry.tracker import census_due
+from memsentry.record import census_due
 
 
 def _train(model: nn.Module, steps: int, **options) -> memsentry.Report:
@@ -106,7 +106,7 @@ def test_memsentrys_own_hooks_are_not_counted() -> None:
     model = make_mlp()
     with memsentry.track(model, on_leak="ignore") as t:
         model(torch.randn(2, 16))
-        own = {h.id for h in t._handles}
+        own = {h.id for h in t._recorder._handles}
         assert hook_census([("mlp", model)], own) == ()
         handle = model.register_forward_hook(lambda m, a, o: None)
         (stats,) = hook_census([("mlp", model)], own)

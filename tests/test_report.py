@@ -11,7 +11,17 @@ import torch
 from conftest import MiB, make_deep, make_mlp, table_rows, train
 
 import memsentry
-from memsentry import Finding, Report, Severity, format_bytes, parse_size
+from memsentry import (
+    Finding,
+    Location,
+    Report,
+    Severity,
+    Step,
+    StepKind,
+    Subject,
+    format_bytes,
+    parse_size,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +45,12 @@ def deep_report() -> Report:
 
 
 def test_dict_and_json_round_trip(small_report: Report, tmp_path: Path) -> None:
+    holder = (Step(StepKind.ROOT, "logger"), Step(StepKind.ATTRIBUTE, "history"),
+              Step(StepKind.KEY, "'loss'"))
     finding = Finding(rule="growth", severity=Severity.LEAK, message="allocated grows",
-                      fix="detach the loss", bytes=MiB, rate=1024.5, where="train.py:12")
+                      fix="detach the loss", bytes=MiB, rate=1024.5,
+                      subject=Subject.holder(holder),
+                      location=Location("train.py", 12, "train"))
     report = dataclasses.replace(small_report, findings=(finding,))
     assert Report.from_dict(report.to_dict()) == report
     assert Report.from_dict(json.loads(report.to_json())) == report
@@ -46,6 +60,11 @@ def test_dict_and_json_round_trip(small_report: Report, tmp_path: Path) -> None:
     again = Report.from_json(path)
     assert again == report
     assert again.findings[0].severity is Severity.LEAK
+    assert again.findings[0].where == "train.py:12"
+    assert again.findings[0].subject is not None
+    assert again.findings[0].subject.path == holder
+    assert again.findings[0].subject.name == "logger.history['loss']"
+    assert again.findings[0].location == Location("train.py", 12, "train")
 
 
 def test_json_file_has_the_documented_keys(small_report: Report, tmp_path: Path) -> None:
@@ -53,7 +72,7 @@ def test_json_file_has_the_documented_keys(small_report: Report, tmp_path: Path)
     small_report.to_json(path)
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
-    assert data["schema"] == 1
+    assert data["schema"] == 2
     assert {"layers", "iterations", "findings", "baseline", "device", "peak"} <= data.keys()
     assert [layer["name"] for layer in data["layers"]] == ["Sequential", "0", "1", "2"]
     assert {"output_bytes", "saved_bytes", "forward_delta", "param_bytes"} <= (

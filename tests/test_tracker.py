@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memsentry
 from memsentry import TrackerStateError, UnsupportedDeviceError
-from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
 
 
 def _global_hook_sizes() -> tuple[int, ...]:

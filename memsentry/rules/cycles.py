@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from memsentry.report import Finding, GarbageStats, Report, Severity
+from memsentry.model import Finding, GarbageStats, ReportData, Severity, Subject, SubjectKind
+from memsentry.rules.registry import rule
 from memsentry.rules.series import plural
 from memsentry.units import format_bytes
 
@@ -34,7 +35,9 @@ def _fix(garbage: GarbageStats) -> str:
     return advice
 
 
-def reference_cycle(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.LEAK, Severity.WASTE},
+      causes={Severity.LEAK, Severity.WASTE})
+def reference_cycle(report: ReportData) -> list[Finding]:
     """Tensors found among the unreachable objects of the censuses' young-generation
     collections: reference cycles own them, and only the garbage collector frees them. A leak
     with the collector disabled (nothing ever frees them), waste with it on (they wait for
@@ -71,5 +74,5 @@ def reference_cycle(report: Report) -> list[Finding]:
     return [
         Finding(rule=RULE_ID, severity=severity, message=message, fix=_fix(last),
                 bytes=max(largest.bytes, last.freed), rate=per_iteration,
-                where=last.types[0][0] if last.types else None)
+                subject=Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None)
     ]

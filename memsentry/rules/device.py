@@ -1,22 +1,17 @@
-"""CUDA rules: ``memory-headroom``, ``allocator-fragmentation``, ``non-pytorch-memory``."""
+"""CUDA rules: ``allocator-fragmentation`` and ``non-pytorch-memory``."""
 
 from __future__ import annotations
 
-import collections
 import statistics
 
-from memsentry.report import Finding, Report, Severity
-from memsentry.rules.growth import WARMUP
+from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, complete
+from memsentry.rules.registry import rule
+from memsentry.rules.series import WARMUP
 from memsentry.units import format_bytes
 
-HEADROOM = "memory-headroom"
 FRAGMENTATION = "allocator-fragmentation"
 NON_PYTORCH = "non-pytorch-memory"
 
-#: The peak uses less than this share of the device: worth saying.
-HEADROOM_SHARE = 0.5
-#: The share of the device a suggested batch may fill.
-TARGET_SHARE = 0.85
 #: Reserved beyond the highest peak that counts as fragmentation.
 FRAGMENT_SHARE = 0.25
 FRAGMENT_BYTES = 256 * 2**20
@@ -27,51 +22,20 @@ FRAGMENT_RATE = 2**20
 NON_PYTORCH_BYTES = 2**31
 
 
-def _cuda(report: Report) -> bool:
+def is_cuda(report: ReportData) -> bool:
     return report.device.startswith("cuda")
 
 
-def memory_headroom(report: Report) -> list[Finding]:
-    """CUDA: the peak uses a small part of the device; from the activation memory per sample,
-    estimate the batch that would fit."""
-    its = [it for it in report.iterations if it.boundary != "exit"][WARMUP:]
-    total = report.total_memory
-    if not _cuda(report) or not total or len(its) < 2:
-        return []
-    peak = max(it.peak for it in its)
-    if peak >= HEADROOM_SHARE * total:
-        return []
-    resident = min(it.allocated for it in its)
-    batches = collections.Counter(it.batch for it in its if it.batch)
-    message = (
-        f"the peak, {format_bytes(peak)}, uses {peak / total:.0%} of {report.device}'s "
-        f"{format_bytes(total)}"
-    )
-    activations = peak - resident
-    if batches and activations > 0:
-        batch = batches.most_common(1)[0][0]
-        per_sample = activations / batch
-        fits = int((TARGET_SHARE * total - resident) / per_sample)
-        message += (
-            f"; with {format_bytes(resident)} resident and {format_bytes(round(per_sample))} "
-            f"of activations per sample (batch {batch}), a batch of about {fits:,} would fit "
-            f"in {TARGET_SHARE:.0%} of it"
-        )
-    fix = (
-        "raise the batch size (and scale the learning rate), train a larger model, or share "
-        "the GPU between jobs (MPS, MIG); turn off memory savers you do not need "
-        "(activation checkpointing, CPU offload)"
-    )
-    return [Finding(rule=HEADROOM, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=total - peak)]
+def device_subject(report: ReportData) -> Subject:
+    return Subject(SubjectKind.DEVICE, report.device)
 
 
-def allocator_fragmentation(report: Report) -> list[Finding]:
+@rule(FRAGMENTATION, severities={Severity.WASTE}, devices={"cuda"})
+def allocator_fragmentation(report: ReportData) -> list[Finding]:
     """CUDA: reserved memory far above the highest peak, or growing while the peak is flat:
     freed blocks that the caching allocator cannot reuse for new sizes."""
-    its = [it for it in report.iterations
-           if it.boundary != "exit" and it.reserved is not None][WARMUP:]
-    if not _cuda(report) or len(its) < 4:
+    its = complete([it for it in report.iterations if it.reserved is not None], skip=WARMUP)
+    if not is_cuda(report) or len(its) < 4:
         return []
     peak = max(it.peak for it in its)
     reserved = its[-1].reserved or 0
@@ -105,14 +69,16 @@ def allocator_fragmentation(report: Report) -> list[Finding]:
         "or bucket inputs to a few fixed shapes"
     )
     return [Finding(rule=FRAGMENTATION, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=max(unused, 0), rate=reserved_rate if growing else None)]
+                    bytes=max(unused, 0), rate=reserved_rate if growing else None,
+                    subject=device_subject(report))]
 
 
-def non_pytorch_memory(report: Report) -> list[Finding]:
+@rule(NON_PYTORCH, severities={Severity.HINT}, devices={"cuda"})
+def non_pytorch_memory(report: ReportData) -> list[Finding]:
     """CUDA + NVML: device memory of this process beyond what PyTorch reserved."""
     nvml = report.nvml or {}
     used = nvml.get("process_used")
-    if not _cuda(report) or used is None or report.reserved is None:
+    if not is_cuda(report) or used is None or report.reserved is None:
         return []
     extra = int(used) - report.reserved
     if extra < NON_PYTORCH_BYTES:
@@ -129,7 +95,7 @@ def non_pytorch_memory(report: Report) -> list[Finding]:
         "CUDA_MODULE_LOADING=LAZY shrinks the kernel images"
     )
     return [Finding(rule=NON_PYTORCH, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=extra)]
+                    bytes=extra, subject=device_subject(report))]
 
 
-__all__ = ["allocator_fragmentation", "memory_headroom", "non_pytorch_memory"]
+__all__ = ["allocator_fragmentation", "device_subject", "is_cuda", "non_pytorch_memory"]

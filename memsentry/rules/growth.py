@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections.abc import Sequence
 
-from memsentry.report import Finding, IterationStats, Report, Severity
+from memsentry.model import (
+    Finding,
+    IterationStats,
+    ReportData,
+    Severity,
+    Subject,
+    SubjectKind,
+    growth_per_iteration,
+)
+from memsentry.rules.registry import rule
+from memsentry.rules.series import WARMUP, after_warmup
 from memsentry.units import format_bytes
 
 RULE_ID = "memory-growth"
 
-#: Iterations left out at the start: gradient buffers, optimizer state (Adam keeps two
-#: tensors per parameter) and allocator pools appear in the first steps.
-WARMUP = 2
 #: Iterations after warm-up needed before growth is judged.
 MIN_ITERATIONS = 4
 #: Share of consecutive iterations that must end higher than the one before.
@@ -23,19 +28,6 @@ MIN_RATE = 1024
 #: Share of all the rises that must still be held at the end: a leak keeps what it gains,
 #: a list cleared every epoch (a sawtooth) gives it back.
 MIN_RETAINED_SHARE = 0.5
-
-
-def growth_per_iteration(
-    iterations: Sequence[IterationStats], *, warmup: int, at_least: int = 2
-) -> float | None:
-    """Least-squares slope of allocated bytes (per iteration) over the complete iterations
-    after the first ``warmup``; ``None`` when fewer than ``at_least`` remain."""
-    its = [it for it in iterations if it.boundary != "exit"][warmup:]
-    if len(its) < max(at_least, 2):
-        return None
-    return statistics.linear_regression(
-        [float(it.index) for it in its], [float(it.allocated) for it in its]
-    ).slope
 
 
 def _steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
@@ -51,13 +43,14 @@ def _steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
     return slope, rising
 
 
-def memory_growth(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.LEAK}, fallback=True)
+def memory_growth(report: ReportData) -> list[Finding]:
     """Allocated memory climbs steadily after warm-up, at identical iteration boundaries.
 
     Reports the rate, the growth so far and, when the device size is known, a forecast of the
     iteration at which the device (or RAM, on CPU) runs out.
     """
-    complete = [it for it in report.iterations if it.boundary != "exit"][WARMUP:]
+    complete = after_warmup(report)
     if len(complete) < MIN_ITERATIONS:
         return []
     growth = _steady_growth(complete)
@@ -92,6 +85,9 @@ def memory_growth(report: Report) -> list[Finding]:
             fix=fix,
             bytes=grown,
             rate=rate,
-            where=None,
+            subject=Subject(SubjectKind.DEVICE, report.device),
         )
     ]
+
+
+__all__ = ["MIN_ITERATIONS", "RULE_ID", "WARMUP", "memory_growth"]

@@ -5,20 +5,29 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memsentry.report import Finding, HolderStats, Report, Severity
-from memsentry.rules.series import (
-    describe_holder,
-    holder_series,
-    per_iteration,
-    root_name,
-    trend,
+from memsentry.model import (
+    Census,
+    Finding,
+    HolderKind,
+    HolderStats,
+    ReportData,
+    Severity,
+    Step,
+    StepKind,
+    Subject,
+    spell,
 )
+from memsentry.model.places import until_subscript
+from memsentry.rules.registry import rule
+from memsentry.rules.series import Trend, describe_holder, holder_series, per_iteration, trend
 from memsentry.units import format_bytes
 
 ACCUMULATION = "tensor-accumulation"
 RETAINED_GRAPH = "retained-graph"
 
 
+#: The step from an exception to its traceback.
+TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
 #: Names under which IPython keeps cell results in a notebook's namespace.
 _IPYTHON_HISTORY = frozenset({"Out", "_oh", "_", "__", "___"})
 
@@ -27,19 +36,19 @@ def _count(holder: HolderStats) -> float:
     return holder.tensors + holder.modules
 
 
-def _parent(name: str) -> str:
-    """``logger.history`` for ``logger.history['loss']``; the name itself otherwise."""
-    return name[: name.rindex("[")] if name.endswith("']") and "[" in name else name
+def _parent(path: tuple[Step, ...]) -> tuple[Step, ...]:
+    """``logger.history`` for ``logger.history['loss']`` (a string key); the path otherwise."""
+    return path[:-1] if len(path) > 1 and path[-1].kind == StepKind.KEY else path
 
 
-def _merge(name: str, entries: list[HolderStats | None]) -> HolderStats | None:
+def _merge(path: tuple[Step, ...], entries: list[HolderStats | None]) -> HolderStats | None:
     """One holder standing for the keys of a dict that all grow."""
     present = [e for e in entries if e is not None]
     if not present:
         return None
     first = present[0]
     return replace(
-        first, name=name, items=None,
+        first, path=path, items=None,
         tensors=sum(e.tensors for e in present), bytes=sum(e.bytes for e in present),
         graph_tensors=sum(e.graph_tensors for e in present),
         graph_nodes=sum(e.graph_nodes for e in present),
@@ -48,30 +57,148 @@ def _merge(name: str, entries: list[HolderStats | None]) -> HolderStats | None:
     )
 
 
-def tensor_accumulation(report: Report) -> list[Finding]:
+@rule(RETAINED_GRAPH, severities={Severity.LEAK, Severity.WASTE}, causes={Severity.LEAK})
+def retained_graph(report: ReportData) -> list[Finding]:
+    """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
+    summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
+    ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
+    nodes pile up."""
+    censuses, table = holder_series(report)
+    findings = []
+    for row in table.values():
+        last = row[-1]
+        if last is None or not last.graph_tensors:
+            continue
+        nodes = trend(censuses, row, lambda h: h.graph_nodes)
+        count = trend(censuses, row, _count)
+        growing = nodes.climbs() and not count.climbs()
+        saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
+        kept = len(nodes.values) >= 2 and all(h is not None and h.graph_tensors for h in row[-2:])
+        if last.kind == HolderKind.GRADIENT and (growing or kept):
+            findings.append(_gradient_finding(last, nodes, saved, growing))
+            continue
+        if not growing:
+            if kept and not count.climbs() and _is_attribute(last):
+                findings.append(_pinned_graph(last))
+            continue
+        message = (
+            f"{describe_holder(last)} keeps the autograd graph of every iteration: "
+            f"{last.graph_nodes:,} graph nodes at iteration {nodes.iterations[-1]}, "
+            f"+{nodes.per_iteration:.3g} nodes/iter since iteration {nodes.iterations[0]}"
+        )
+        if last.graph_saved_bytes:
+            message += (
+                f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
+                f"(+{format_bytes(round(max(saved.per_iteration, 0)))}/iter)"
+            )
+        else:
+            message += (
+                "; backward() freed their saved tensors, but the nodes themselves pile up "
+                "in host memory and every backward through them gets slower"
+            )
+        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
+            fix = (
+                f"accumulate a number, not the tensor: `{_base(last)} += loss.item()` "
+                "(or `loss.detach()`)"
+            )
+        else:  # a state carried into the next iteration
+            fix = (
+                f"cut the graph at each iteration: `{_base(last)} = "
+                f"{_base(last)}.detach()` before it is used again (truncated BPTT), "
+                "and drop retain_graph=True once nothing reaches back"
+            )
+        findings.append(
+            Finding(
+                rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
+                bytes=last.bytes + last.graph_saved_bytes,
+                rate=saved.per_iteration if saved.per_iteration > 0 else None,
+                subject=Subject.holder(last.path), location=last.where,
+            )
+        )
+    return findings
+
+
+def _is_attribute(holder: HolderStats) -> bool:
+    if holder.path and holder.path[-1] == TRACEBACK:
+        return False  # a kept exception's frames: the exception-frames rule says it better
+    if holder.kind in (HolderKind.CLASS_ATTRIBUTE, HolderKind.MODEL):
+        return True
+    return any(step.kind == StepKind.ATTRIBUTE for step in until_subscript(holder.path))
+
+
+def _pinned_graph(last: HolderStats) -> Finding:
+    """An attribute that keeps one graph-carrying tensor across iterations (replaced, not
+    appended, each time): bounded, but one extra graph stays alive."""
+    message = (
+        f"{describe_holder(last)} keeps a tensor with its autograd graph across iterations "
+        f"({format_bytes(last.bytes)} of tensors, {last.graph_nodes:,} graph nodes"
+    )
+    if last.graph_saved_bytes:
+        message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
+    message += "): one extra graph is alive when the next forward starts, raising the peak"
+    fix = (
+        f"store `.detach()` in `{_base(last)}` (or `.item()` for a number), or clear it "
+        "once it has been used"
+    )
+    return Finding(
+        rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
+        bytes=last.bytes + last.graph_saved_bytes, rate=None,
+        subject=Subject.holder(last.path), location=last.where,
+    )
+
+
+def _base(holder: HolderStats) -> str:
+    """The holder's name up to its first subscript: ``history`` for ``history[0]``."""
+    return spell(until_subscript(holder.path))
+
+
+def _gradient_finding(last: HolderStats, nodes: Trend, saved: Trend, growing: bool) -> Finding:
+    message = (
+        f"`{last.name}` and {last.items - 1 if last.items else 0} more parameter .grad "
+        f"tensors carry a grad_fn at the iteration boundary ({last.graph_nodes:,} graph nodes"
+    )
+    message += (
+        f", +{nodes.per_iteration:.3g}/iter): each backward(create_graph=True) adds to a graph "
+        "that is never freed" if growing else "): the graph of the last backward stays alive "
+        "until the gradients are reset"
+    )
+    fix = (
+        "after a backward(create_graph=True), detach or reset the gradients before the next "
+        "step (`optimizer.zero_grad(set_to_none=True)`, or `p.grad = p.grad.detach()`); use "
+        "torch.autograd.grad(..., create_graph=True) for higher-order terms instead of .grad"
+    )
+    return Finding(
+        rule=RETAINED_GRAPH, severity=Severity.LEAK if growing else Severity.WASTE,
+        message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
+        rate=saved.per_iteration if saved.per_iteration > 0 else None,
+        subject=Subject.holder(last.path),
+    )
+
+
+@rule(ACCUMULATION, severities={Severity.LEAK}, causes={Severity.LEAK})
+def tensor_accumulation(report: ReportData) -> list[Finding]:
     """A list, dict, deque or attribute gains tensors (or whole models) at every census.
 
     Worse when they carry ``grad_fn``: each keeps its batch's graph and saved activations.
     Several keys of one dict that all grow (a logger's history) make one finding.
     """
     censuses, table = holder_series(report)
-    groups: dict[str, list[str]] = {}
-    for name, row in table.items():
+    groups: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
+    for path, row in table.items():
         if trend(censuses, row, _count).climbs():
-            groups.setdefault(_parent(name), []).append(name)
+            groups.setdefault(_parent(path), []).append(path)
     findings = []
-    for parent, names in groups.items():
-        if len(names) == 1:
-            row, label, keys = table[names[0]], names[0], ""
+    for parent, paths in groups.items():
+        if len(paths) == 1:
+            row, keys = table[paths[0]], ""
         else:
-            row = [_merge(parent, [table[n][i] for n in names]) for i in range(len(censuses))]
-            label = parent
-            keys = ", ".join(n[len(parent):] for n in sorted(names))
-        findings.append(_accumulation(censuses, row, label, keys))
+            row = [_merge(parent, [table[p][i] for p in paths]) for i in range(len(censuses))]
+            keys = ", ".join(sorted(p[-1].spelled() for p in paths))
+        findings.append(_accumulation(censuses, row, keys))
     return findings
 
 
-def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str) -> Finding:
+def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: str) -> Finding:
     count = trend(censuses, row, _count)
     last = row[-1]
     assert last is not None
@@ -95,7 +222,7 @@ def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str
         if last.graph_saved_bytes:
             message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
         message += ") alive"
-    ipython = root_name(label) in _IPYTHON_HISTORY
+    ipython = last.root in _IPYTHON_HISTORY
     if ipython:
         message += (
             "; this is IPython's output history, which keeps the result of every cell that "
@@ -126,117 +253,6 @@ def _accumulation(censuses, row: list[HolderStats | None], label: str, keys: str
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
         bytes=last.bytes + last.graph_saved_bytes,
-        rate=max(size.per_iteration, 0.0), where=last.where or label,
-    )
-
-
-def retained_graph(report: Report) -> list[Finding]:
-    """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
-    summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
-    ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
-    nodes pile up."""
-    censuses, table = holder_series(report)
-    findings = []
-    for row in table.values():
-        last = row[-1]
-        if last is None or not last.graph_tensors:
-            continue
-        nodes = trend(censuses, row, lambda h: h.graph_nodes)
-        count = trend(censuses, row, _count)
-        growing = nodes.climbs() and not count.climbs()
-        saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
-        kept = len(nodes.values) >= 2 and all(h is not None and h.graph_tensors for h in row[-2:])
-        if last.kind == "gradient" and (growing or kept):
-            findings.append(_gradient_finding(last, nodes, saved, growing))
-            continue
-        if not growing:
-            if kept and not count.climbs() and _is_attribute(last):
-                findings.append(_pinned_graph(last))
-            continue
-        message = (
-            f"{describe_holder(last)} keeps the autograd graph of every iteration: "
-            f"{last.graph_nodes:,} graph nodes at iteration {nodes.iterations[-1]}, "
-            f"+{nodes.per_iteration:.3g} nodes/iter since iteration {nodes.iterations[0]}"
-        )
-        if last.graph_saved_bytes:
-            message += (
-                f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
-                f"(+{format_bytes(round(max(saved.per_iteration, 0)))}/iter)"
-            )
-        else:
-            message += (
-                "; backward() freed their saved tensors, but the nodes themselves pile up "
-                "in host memory and every backward through them gets slower"
-            )
-        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
-            fix = (
-                f"accumulate a number, not the tensor: `{_base(last.name)} += loss.item()` "
-                "(or `loss.detach()`)"
-            )
-        else:  # a state carried into the next iteration
-            fix = (
-                f"cut the graph at each iteration: `{_base(last.name)} = "
-                f"{_base(last.name)}.detach()` before it is used again (truncated BPTT), "
-                "and drop retain_graph=True once nothing reaches back"
-            )
-        findings.append(
-            Finding(
-                rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes,
-                rate=saved.per_iteration if saved.per_iteration > 0 else None,
-                where=last.where or last.name,
-            )
-        )
-    return findings
-
-
-def _is_attribute(holder: HolderStats) -> bool:
-    if holder.name.endswith(".__traceback__"):
-        return False  # a kept exception's frames: the exception-frames rule says it better
-    return holder.kind in ("class attribute", "model") or "." in holder.name.split("[", 1)[0]
-
-
-def _pinned_graph(last: HolderStats) -> Finding:
-    """An attribute that keeps one graph-carrying tensor across iterations (replaced, not
-    appended, each time): bounded, but one extra graph stays alive."""
-    message = (
-        f"{describe_holder(last)} keeps a tensor with its autograd graph across iterations "
-        f"({format_bytes(last.bytes)} of tensors, {last.graph_nodes:,} graph nodes"
-    )
-    if last.graph_saved_bytes:
-        message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
-    message += "): one extra graph is alive when the next forward starts, raising the peak"
-    fix = (
-        f"store `.detach()` in `{_base(last.name)}` (or `.item()` for a number), or clear it "
-        "once it has been used"
-    )
-    return Finding(
-        rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
-        bytes=last.bytes + last.graph_saved_bytes, rate=None, where=last.where or last.name,
-    )
-
-
-def _base(name: str) -> str:
-    return name.split("[", 1)[0]
-
-
-def _gradient_finding(last: HolderStats, nodes, saved, growing: bool) -> Finding:
-    message = (
-        f"`{last.name}` and {last.items - 1 if last.items else 0} more parameter .grad "
-        f"tensors carry a grad_fn at the iteration boundary ({last.graph_nodes:,} graph nodes"
-    )
-    message += (
-        f", +{nodes.per_iteration:.3g}/iter): each backward(create_graph=True) adds to a graph "
-        "that is never freed" if growing else "): the graph of the last backward stays alive "
-        "until the gradients are reset"
-    )
-    fix = (
-        "after a backward(create_graph=True), detach or reset the gradients before the next "
-        "step (`optimizer.zero_grad(set_to_none=True)`, or `p.grad = p.grad.detach()`); use "
-        "torch.autograd.grad(..., create_graph=True) for higher-order terms instead of .grad"
-    )
-    return Finding(
-        rule=RETAINED_GRAPH, severity=Severity.LEAK if growing else Severity.WASTE,
-        message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
-        rate=saved.per_iteration if saved.per_iteration > 0 else None, where=last.name,
+        rate=max(size.per_iteration, 0.0), subject=Subject.holder(last.path),
+        location=last.where,
     )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from memsentry.report import Finding, Report, Severity
+from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
+from memsentry.rules.registry import rule
 from memsentry.rules.series import complete_censuses, per_iteration, series, trend
 
 RULE_ID = "hook-accumulation"
 
 
-def hook_accumulation(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.LEAK}, causes={Severity.LEAK})
+def hook_accumulation(report: ReportData) -> list[Finding]:
     """A module's count of user hooks (forward, pre-forward, backward, and its parameters'
     tensor hooks) rises at every census: the loop registers a hook and drops its handle."""
     censuses = complete_censuses(report)
@@ -19,7 +21,7 @@ def hook_accumulation(report: Report) -> list[Finding]:
             continue
         last = row[-1]
         assert last is not None
-        owner = "hooks registered globally" if module == "<global>" else f"`{module}`"
+        owner = "hooks registered globally" if module is None else f"`{module}`"
         newest = f"`{last.hook}`" if last.hook else "a hook"
         if last.where:
             newest += f", defined at {last.where}"
@@ -35,6 +37,7 @@ def hook_accumulation(report: Report) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
-                    bytes=None, rate=None, where=last.where or module)
+                    bytes=None, rate=None, location=last.where,
+                    subject=Subject(SubjectKind.MODULE, module or "<global hooks>"))
         )
     return findings

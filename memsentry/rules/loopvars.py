@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from memsentry.report import Finding, HolderStats, Report, Severity
-from memsentry.rules.growth import WARMUP
-from memsentry.rules.series import complete_censuses, root_name
+from memsentry.model import Finding, HolderKind, HolderStats, ReportData, Severity, Subject
+from memsentry.rules.registry import rule
+from memsentry.rules.series import after_warmup, complete_censuses, function_of
 from memsentry.units import format_bytes
 
 RULE_ID = "loop-variables"
@@ -21,12 +21,13 @@ def _plain_locals(holders: tuple[HolderStats, ...]) -> dict[str, HolderStats]:
     """Locals that are tensors themselves (not containers, not graphs kept on purpose)."""
     return {
         h.name: h for h in holders
-        if h.kind == "local" and root_name(h.name) == h.name and h.items is None
+        if h.kind == HolderKind.LOCAL and len(h.path) == 1 and h.items is None
         and h.tensors and not h.modules and not h.graph_saved_bytes
     }
 
 
-def loop_variables(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.HINT})
+def loop_variables(report: ReportData) -> list[Finding]:
     """At two censuses in a row the loop's locals (``x``, ``out``, ``loss``) hold tensors of
     the iteration just finished; they stay allocated until the next iteration rebinds them,
     after it has made its own: the peak carries one batch more than it needs."""
@@ -36,14 +37,14 @@ def loop_variables(report: Report) -> list[Finding]:
     before, last = _plain_locals(censuses[-2].holders), _plain_locals(censuses[-1].holders)
     kept = [last[name] for name in last if name in before]
     size = sum(h.bytes for h in kept)
-    its = [it for it in report.iterations if it.boundary != "exit"][WARMUP:]
+    its = after_warmup(report)
     rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]
     rise = statistics.median(rises) if rises else 0
     if size < MIN_BYTES or size < MIN_SHARE * rise:
         return []
     kept.sort(key=lambda h: h.bytes, reverse=True)
     names = ", ".join(f"`{h.name}` ({format_bytes(h.bytes)})" for h in kept[:4])
-    scope = (kept[0].scope or "").split(" in ", 1)[0]
+    scope = function_of(kept[0])
     message = (
         f"{names} (locals of {scope or 'the loop'}) keep {format_bytes(size)} of the finished "
         "iteration alive until the next one rebinds them, after it has made its own"
@@ -58,4 +59,4 @@ def loop_variables(report: Report) -> list[Finding]:
         "into a function, whose locals die when it returns)"
     )
     return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=size, where=kept[0].where)]
+                    bytes=size, subject=Subject.holder(kept[0].path), location=kept[0].where)]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from memsentry.report import Finding, Report, Severity
+from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
+from memsentry.rules.registry import rule
 from memsentry.units import format_bytes
 
 RULE_ID = "missing-no-grad"
 
 
-def missing_no_grad(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.WASTE})
+def missing_no_grad(report: ReportData) -> list[Finding]:
     """An outermost module ran with autograd on and no backward reached its output by the end
     of the iteration: evaluation or inference without ``torch.no_grad()``. Everything its ops
     saved for backward was kept for nothing, raising the peak (``eval()`` does not turn
@@ -17,11 +19,11 @@ def missing_no_grad(report: Report) -> list[Finding]:
     for unused in report.unused_graphs:
         if unused.saved_bytes == 0:
             continue  # nothing saved, nothing wasted
-        caller = ""
-        if unused.function and unused.function != "<module>" and unused.where:
-            caller = f" from {unused.function}() at {unused.where}"
-        elif unused.where:
-            caller = f" at {unused.where}"
+        caller, where = "", unused.where
+        if where is not None and where.function and where.function != "<module>":
+            caller = f" from {where.function}() at {where}"
+        elif where is not None:
+            caller = f" at {where}"
         mode = (
             f"{unused.eval_calls:,} of them in eval() mode" if unused.eval_calls
             else "in train() mode"
@@ -42,6 +44,7 @@ def missing_no_grad(report: Report) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=unused.saved_bytes, rate=None, where=unused.where or unused.module)
+                    bytes=unused.saved_bytes, rate=None, location=unused.where,
+                    subject=Subject(SubjectKind.MODULE, unused.module))
         )
     return findings

@@ -1,21 +1,39 @@
-"""Trends across censuses: the shared arithmetic of the rules that name holders."""
+"""The shared arithmetic of the rules: the iterations after warm-up, and trends across
+censuses of the figures of one holder (or one module's hooks)."""
 
 from __future__ import annotations
 
 import itertools
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from memsentry.report import Census, HolderStats, Report
+from memsentry.model import (
+    Census,
+    HolderKind,
+    HolderStats,
+    IterationStats,
+    ReportData,
+    ScopeKind,
+    Step,
+    complete,
+)
 
+#: Iterations left out at the start: gradient buffers, optimizer state (Adam keeps two
+#: tensors per parameter) and allocator pools appear in the first steps.
+WARMUP = 2
 #: Censuses needed before a holder's trend is judged (two steps: three points).
 MIN_CENSUSES = 3
 #: Steps of the series that must rise.
 MIN_RISES = 2
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+def after_warmup(report: ReportData) -> list[IterationStats]:
+    """The iterations a boundary closed, after the warm-up ones."""
+    return complete(report.iterations, skip=WARMUP)
 
 
 @dataclass(frozen=True)
@@ -49,30 +67,28 @@ class Trend:
         )
 
 
-def complete_censuses(report: Report) -> list[Census]:
+def complete_censuses(report: ReportData) -> list[Census]:
     """The censuses that finished within their budget (an interrupted one undercounts)."""
     return [c for c in report.censuses if c.complete]
 
 
 def series(censuses: Sequence[Census], items: Callable[[Census], Sequence[T]],
-           key: Callable[[T], str]) -> dict[str, list[T | None]]:
-    """Each name's entry at every census, ``None`` where a census did not see it."""
-    names: dict[str, None] = {}
-    for census in censuses:
+           key: Callable[[T], K]) -> dict[K, list[T | None]]:
+    """Each key's entry at every census, ``None`` where a census did not see it."""
+    table: dict[K, list[T | None]] = {}
+    for position, census in enumerate(censuses):
         for item in items(census):
-            names.setdefault(key(item), None)
-    table: dict[str, list[T | None]] = {}
-    for name in names:
-        row: list[T | None] = []
-        for census in censuses:
-            row.append(next((i for i in items(census) if key(i) == name), None))
-        table[name] = row
+            row = table.setdefault(key(item), [None] * len(censuses))
+            if row[position] is None:
+                row[position] = item
     return table
 
 
-def holder_series(report: Report) -> tuple[list[Census], dict[str, list[HolderStats | None]]]:
+def holder_series(report: ReportData
+                  ) -> tuple[list[Census], dict[tuple[Step, ...], list[HolderStats | None]]]:
+    """The complete censuses, and each holder's entry (by path) at every one of them."""
     censuses = complete_censuses(report)
-    return censuses, series(censuses, lambda c: c.holders, lambda h: h.name)
+    return censuses, series(censuses, lambda c: c.holders, lambda h: h.path)
 
 
 def trend(censuses: Sequence[Census], row: Sequence[T | None],
@@ -90,26 +106,28 @@ def per_iteration(value: float, noun: str) -> str:
     return f"{value:.3g} {noun if value == 1 else noun + 's'}/iter"
 
 
-def root_name(name: str) -> str:
-    """``model`` for ``model.cache['x']``."""
-    return re.split(r"[.\[]", name, maxsplit=1)[0]
+def function_of(holder: HolderStats) -> str | None:
+    """The function whose local the holder is, spelled ``train()``."""
+    scope = holder.scope
+    return f"{scope.name}()" if scope is not None and scope.kind == ScopeKind.FUNCTION else None
 
 
 def describe_holder(holder: HolderStats) -> str:
     """```name``` with what it is (``a local of train()``, ``held through `logger`, a local of
     train()``, ``a class attribute``) and the line that fills it."""
-    function = (holder.scope or "").split(" in ", 1)[0]
+    function = function_of(holder)
     kinds = {
-        "local": f"a local of {function}" if function else "a local variable",
-        "global": f"a global of {holder.scope}" if holder.scope else "a global",
-        "class attribute": "a class attribute, shared by every instance",
-        "model": "the tracked model",
-        "gradient": holder.scope or "a parameter's .grad",
+        HolderKind.LOCAL: f"a local of {function}" if function else "a local variable",
+        HolderKind.GLOBAL: f"a global of {holder.scope}" if holder.scope else "a global",
+        HolderKind.CLASS_ATTRIBUTE: "a class attribute, shared by every instance",
+        HolderKind.MODEL: "the tracked model",
+        HolderKind.GRADIENT: f"{holder.items} parameter .grad tensors" if holder.items
+        else "a parameter's .grad",
     }
-    kind = kinds.get(holder.kind, holder.kind)
-    root = root_name(holder.name)
-    if root != holder.name and holder.kind in ("local", "global", "model"):
-        kind = f"held through `{root}`, {kind}"
+    kind = kinds.get(holder.kind, str(holder.kind))
+    if len(holder.path) > 1 and holder.kind in (HolderKind.LOCAL, HolderKind.GLOBAL,
+                                                HolderKind.MODEL):
+        kind = f"held through `{holder.root}`, {kind}"
     text = f"`{holder.name}` ({kind}"
     if holder.where:
         text += f", {holder.where}"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 
-from memsentry.report import Finding, Report, Severity
-from memsentry.rules.growth import WARMUP
+from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, complete
+from memsentry.rules.registry import rule
+from memsentry.rules.series import WARMUP
 
 RULE_ID = "input-bound"
 #: Iterations after warm-up needed to judge.
@@ -14,11 +15,12 @@ MIN_ITERATIONS = 4
 MIN_WAIT = 0.005
 
 
-def input_bound(report: Report) -> list[Finding]:
+@rule(RULE_ID, severities={Severity.HINT})
+def input_bound(report: ReportData) -> list[Finding]:
     """The median time from an iteration's start (the previous optimizer step or ``t.step()``)
     to its first module call exceeds the median time from there to the iteration's end."""
-    its = [it for it in report.iterations
-           if it.boundary != "exit" and it.data_seconds is not None][WARMUP:]
+    timed = [it for it in report.iterations if it.data_seconds is not None]
+    its = complete(timed, skip=WARMUP)
     if len(its) < MIN_ITERATIONS:
         return []
     wait = statistics.median(it.data_seconds or 0.0 for it in its)
@@ -37,4 +39,5 @@ def input_bound(report: Report) -> list[Finding]:
         "persistent_workers=True, prefetch_factor=2), copy with .to(device, non_blocking=True), "
         "and move per-sample work (decoding, augmentation) out of the training process"
     )
-    return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix)]
+    return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
+                    subject=Subject(SubjectKind.LOOP, "the training loop"))]

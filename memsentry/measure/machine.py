@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from memsentry.backends import nvml_query
-from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, physical_memory
-from memsentry.backends.nvml import NvmlInfo
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, physical_memory
+from memsentry.measure.nvml import NvmlInfo
+from memsentry.measure.nvml import query as nvml_query
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _cuda_reason() -> str:
 
 def collect() -> MachineInfo:
     """Survey this machine. Never raises for a missing GPU, driver or NVML."""
-    from memsentry import __version__
+    from memsentry.version import __version__
 
     if MALLINFO2_UNAVAILABLE is None:
         cpu = MallinfoBackend()

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from memsentry.model import PeakMode
+
 
 class CudaBackend:
     """Allocated, reserved and peak bytes of one CUDA device from the caching allocator."""
@@ -31,7 +33,7 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
         self._index = index
         self._exact = exact
-        self.peak_mode = "exact" if exact else "sampled"
+        self.peak_mode = PeakMode.EXACT if exact else PeakMode.SAMPLED
         if exact:
             self.notes: tuple[str, ...] = (
                 "CUDA peaks are exact: memsentry reset the allocator's peak counter at every "

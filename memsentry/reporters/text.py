@@ -1,15 +1,22 @@
-"""Text rendering of a :class:`~memsentry.Report`: pure formatting, no measuring."""
+"""The text report: header, findings, the per-layer table, the timeline and the notes."""
 
 from __future__ import annotations
 
 import statistics
 import textwrap
 from collections.abc import Sequence
+from typing import IO, Any
 
 from tabulate import DataRow, TableFormat, tabulate
 
-from memsentry.report import IterationStats, LayerStats, Report
-from memsentry.rules.growth import growth_per_iteration
+from memsentry.model import (
+    Boundary,
+    IterationStats,
+    LayerStats,
+    ReportData,
+    complete,
+    growth_per_iteration,
+)
 from memsentry.units import format_bytes
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
@@ -90,7 +97,7 @@ def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
             "", "", "", ""]
 
 
-def render_layers(report: Report, *, max_depth: int | None, top: int | None, width: int) -> str:
+def render_layers(report: ReportData, *, max_depth: int | None, top: int | None, width: int) -> str:
     """The per-layer table, fitted to ``width`` characters."""
     if not report.layers:
         return "Layers: no module forward ran while tracking."
@@ -121,7 +128,7 @@ def render_layers(report: Report, *, max_depth: int | None, top: int | None, wid
     return f"{title}\n{table}"
 
 
-def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
+def render_iterations(report: ReportData, *, rows_at_most: int = 12) -> str:
     its = report.iterations
     if not its:
         return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
@@ -134,7 +141,7 @@ def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
         if it is None:
             rows.append(["…", "", "", "", "", ""])
             continue
-        label = f"{it.index}" + (" (end)" if it.boundary == "exit" else "")
+        label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
         rows.append([label, format_bytes(it.allocated),
                      format_bytes(it.allocated - report.baseline, signed=True),
                      format_bytes(it.peak), format_bytes(it.reserved),
@@ -144,9 +151,9 @@ def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
     lines = [f"Iterations ({len(its)} recorded"
              + (f", {report.dropped_iterations} thinned out" if report.dropped_iterations else "")
              + "; allocated at each boundary, peak inside)", table]
-    complete = [it for it in its if it.boundary != "exit"]
-    if complete:
-        median_s = statistics.median(it.seconds for it in complete)
+    closed = complete(its)
+    if closed:
+        median_s = statistics.median(it.seconds for it in closed)
         summary = f"median iteration {median_s * 1000:.1f} ms"
         slope = growth_per_iteration(its, warmup=1, at_least=3)
         if slope is not None:
@@ -156,7 +163,7 @@ def render_iterations(report: Report, *, rows_at_most: int = 12) -> str:
     return "\n".join(lines)
 
 
-def render_findings(report: Report, *, width: int = 100) -> str:
+def render_findings(report: ReportData, *, width: int = 100) -> str:
     """Each finding: severity, rule id and message, then the fix, wrapped to ``width``."""
     lines = [f"Findings ({len(report.findings)})"]
     for finding in report.findings:
@@ -170,7 +177,7 @@ def render_findings(report: Report, *, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def render_header(report: Report) -> str:
+def render_header(report: ReportData) -> str:
     parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"]
     figures = [f"at start {format_bytes(report.baseline)}"]
     if report.allocated is not None:
@@ -186,7 +193,7 @@ def render_header(report: Report) -> str:
     return "\n".join(parts)
 
 
-def _nvml_line(nvml: dict) -> str:
+def _nvml_line(nvml: dict[str, Any]) -> str:
     if not nvml.get("available"):
         return f"NVML: unavailable: {nvml.get('reason')}"
     used, total = format_bytes(nvml.get("used")), format_bytes(nvml.get("total"))
@@ -197,7 +204,7 @@ def _nvml_line(nvml: dict) -> str:
     return line
 
 
-def render_text(report: Report, *, max_depth: int | None = None, top: int | None = 30,
+def render_text(report: ReportData, *, max_depth: int | None = None, top: int | None = 30,
                 width: int = 100) -> str:
     """The whole text report: header, findings, layers, iterations, notes."""
     sections = [render_header(report)]
@@ -211,3 +218,20 @@ def render_text(report: Report, *, max_depth: int | None = None, top: int | None
             for note in report.notes
         ))
     return "\n\n".join(sections)
+
+
+class TextReporter:
+    """The report as text for a terminal: ``max_depth`` hides deeper layers, ``top`` keeps the
+    layers with the largest footprint, ``width`` is the width the tables are fitted to."""
+
+    name = "text"
+
+    def __init__(self, *, max_depth: int | None = None, top: int | None = 30,
+                 width: int = 100) -> None:
+        self.max_depth, self.top, self.width = max_depth, top, width
+
+    def text(self, report: ReportData) -> str:
+        return render_text(report, max_depth=self.max_depth, top=self.top, width=self.width)
+
+    def render(self, report: ReportData, out: IO[str]) -> None:
+        out.write(self.text(report) + "\n")

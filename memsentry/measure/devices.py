@@ -1,30 +1,22 @@
-"""Backends: how memory is read on each kind of device, and which one a tracker uses."""
+"""Which devices memsentry can measure, and turning a ``device=`` argument into one."""
 
 from __future__ import annotations
 
 import torch
 
-from memsentry.backends.base import MemoryBackend
-from memsentry.backends.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, StorageBackend
-from memsentry.backends.cuda import CudaBackend
-from memsentry.backends.nvml import NvmlInfo
-from memsentry.backends.nvml import query as nvml_query
 from memsentry.errors import UnsupportedDeviceError
+from memsentry.measure.accelerator import accelerator_type
 
-SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+#: Device types with a dedicated backend; the process's ``torch.accelerator`` type is added.
+DEDICATED_DEVICE_TYPES = ("cpu", "cuda")
 
-__all__ = [
-    "SUPPORTED_DEVICE_TYPES",
-    "CudaBackend",
-    "MallinfoBackend",
-    "MemoryBackend",
-    "NvmlInfo",
-    "StorageBackend",
-    "device_of_module",
-    "make_backend",
-    "nvml_query",
-    "parse_device",
-]
+
+def supported_device_types() -> tuple[str, ...]:
+    """``cpu``, ``cuda``, and this process's other accelerator (``xpu``, ``mps``, ...) if any."""
+    other = accelerator_type()
+    if other is None or other in DEDICATED_DEVICE_TYPES:
+        return DEDICATED_DEVICE_TYPES
+    return (*DEDICATED_DEVICE_TYPES, other)
 
 
 def parse_device(device: object) -> torch.device:
@@ -50,15 +42,18 @@ def parse_device(device: object) -> torch.device:
             f"device must be a torch.device, a string such as 'cuda:0', or an int, "
             f"got {type(device).__name__}"
         )
-    _check_supported(parsed, f"device={str(device)!r}")
+    check_supported(parsed, f"device={str(device)!r}")
     return parsed
 
 
-def _check_supported(device: torch.device, origin: str) -> None:
-    if device.type not in SUPPORTED_DEVICE_TYPES:
+def check_supported(device: torch.device, origin: str) -> None:
+    """Raise :class:`UnsupportedDeviceError` when ``device`` cannot be measured here."""
+    supported = supported_device_types()
+    if device.type not in supported:
+        names = ", ".join(repr(t) for t in supported)
         raise UnsupportedDeviceError(
-            f"{origin} is on {device.type!r}, which memsentry cannot measure yet: it measures "
-            "'cpu' and 'cuda' memory. Move the model with .to('cpu') or .to('cuda') while "
+            f"{origin} is on {device.type!r}, which memsentry cannot measure in this process: "
+            f"it measures {names} memory. Move the model with .to('cpu') or .to('cuda') while "
             "tracking, or pass device='cpu' / device='cuda' explicitly."
         )
     if device.type == "cuda":
@@ -88,30 +83,5 @@ def device_of_module(module: torch.nn.Module) -> torch.device | None:
 
 
 def _checked_tensor_device(tensor: torch.Tensor, module: torch.nn.Module) -> torch.device:
-    _check_supported(tensor.device, f"model {type(module).__name__!r} ({tensor.device})")
+    check_supported(tensor.device, f"model {type(module).__name__!r} ({tensor.device})")
     return tensor.device
-
-
-#: A mallinfo2() call slower than this (seconds) makes the CPU backend count storages instead;
-#: a tracker takes some 250 samples a step, so 20 us is 5 ms a step.
-SLOW_SAMPLE = 20e-6
-
-
-def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
-    """The backend measuring ``device``: CUDA's allocator, glibc counters, or storage counting."""
-    _check_supported(device, f"device {str(device)!r}")
-    if device.type == "cuda":
-        return CudaBackend(device, exact=exact)
-    if exact or MALLINFO2_UNAVAILABLE is not None:
-        return StorageBackend()
-    backend = MallinfoBackend()
-    cost = backend.sample_cost()
-    if cost > SLOW_SAMPLE:
-        storages = StorageBackend()
-        storages.notes = (
-            *storages.notes,
-            f"glibc mallinfo2() took {cost * 1e6:,.0f} us a call on this process's fragmented "
-            "heap (it walks every free chunk), so memsentry counts tensor storages instead.",
-        )
-        return storages
-    return backend

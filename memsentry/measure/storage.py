@@ -1,22 +1,13 @@
-"""CPU memory: glibc heap counters (cheap default) and a storage-counting dispatch mode (exact).
+"""CPU memory counted storage by storage: a dispatch mode that sees every ATen op.
 
-``MallinfoBackend`` reads glibc's ``mallinfo2()``: every C allocation of the process, tensor
-storages, autograd nodes and saved variables included, in about 0.3 microseconds a call.
-PyTorch's CPU allocator takes tensor storages from ``malloc``, so a tensor's bytes appear
-there to within malloc's rounding (a few dozen bytes, one page for mmapped blocks).
-Python's own small objects live in pymalloc arenas and are not counted.
-
-``StorageBackend`` (``track(exact=True)``, and the fallback where glibc is absent) sees
-every ATen op through a ``TorchDispatchMode`` and counts each new tensor storage once, views
-included, until the storage is freed. It knows the true peak inside ops, at a cost of
-about 1.2x on a training step.
+``StorageBackend`` (``track(exact=True)``, and the fallback where glibc is absent or its
+counters are slow) counts each new tensor storage once, views included, until the storage is
+freed. It knows the true peak inside ops, at a cost of about 1.2x on a training step. The
+pytest plugin uses :class:`StorageCounter` directly, with the line that made each storage.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import time
 import weakref
 from typing import Any
 
@@ -24,103 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memsentry.census import user_site
-
-_MALLINFO2_FIELDS = (
-    "arena",
-    "ordblks",
-    "smblks",
-    "hblks",
-    "hblkhd",
-    "usmblks",
-    "fsmblks",
-    "uordblks",
-    "fordblks",
-    "keepcost",
-)
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
-
-
-def _load_mallinfo2() -> tuple[Any, str | None]:
-    """Return glibc's ``mallinfo2`` function, or ``None`` and the reason it is unavailable."""
-    try:
-        libc = ctypes.CDLL(None)
-        func = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None, "glibc mallinfo2() is not available (glibc >= 2.33 on Linux is needed)"
-    func.restype = _Mallinfo2
-    func.argtypes = []
-    return func, None
-
-
-_MALLINFO2, MALLINFO2_UNAVAILABLE = _load_mallinfo2()
-
-
-def physical_memory() -> int | None:
-    """Total physical RAM in bytes, or ``None`` where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-class MallinfoBackend:
-    """Sampled CPU backend: allocated = in-use heap bytes + mmapped chunks (glibc counters)."""
-
-    name = "cpu-mallinfo2"
-    peak_mode = "sampled"
-    notes: tuple[str, ...] = (
-        "CPU figures come from glibc mallinfo2(): all C allocations of the process, "
-        "sampled at module, saved-tensor and iteration boundaries (peaks are lower bounds).",
-    )
-
-    def __init__(self) -> None:
-        if _MALLINFO2 is None:
-            raise RuntimeError(MALLINFO2_UNAVAILABLE)
-        self.device = torch.device("cpu")
-        self._mallinfo2 = _MALLINFO2
-
-    def sample(self) -> tuple[int, int | None]:
-        info = self._mallinfo2()
-        return info.uordblks + info.hblkhd, None
-
-    def sample_cost(self, calls: int = 5) -> float:
-        """Seconds one ``mallinfo2()`` call takes now (the fastest of ``calls``). glibc walks
-        every free chunk of every arena, so the cost grows with fragmentation: 0.5 us in a
-        fresh process, 4 ms after 10,000 freed tensors of mixed sizes (measured here)."""
-        best = float("inf")
-        for _ in range(calls):
-            started = time.perf_counter()
-            self._mallinfo2()
-            best = min(best, time.perf_counter() - started)
-        return best
-
-    def allocated(self) -> int:
-        info = self._mallinfo2()
-        return info.uordblks + info.hblkhd
-
-    def reserved(self) -> int | None:
-        info = self._mallinfo2()
-        return info.arena + info.hblkhd
-
-    def peak_since_last_read(self) -> int | None:
-        return None
-
-    def total_memory(self) -> int | None:
-        return physical_memory()
-
-    def stats(self) -> dict[str, Any]:
-        info = self._mallinfo2()
-        return {name: int(getattr(info, name)) for name in _MALLINFO2_FIELDS}
-
-    def start(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None
+from memsentry.measure.cpu import physical_memory
+from memsentry.model import PeakMode
+from memsentry.usercode.frames import user_site
+from memsentry.usercode.location import Location
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -133,23 +31,19 @@ def _storage_key(tensor: torch.Tensor) -> int:
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
-def _site() -> str:
-    site = user_site()
-    return site[0] if site else "?"
-
-
 class StorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created by ops while the mode is active; ``live``
     maps the CPU storages still alive to their size. With ``sites``, also remembers the user's
-    line that created each one (``file:line``), for leak reports. With ``other_devices``,
+    line that created each one (``None`` when no user code was on the stack), for leak
+    reports. With ``other_devices``,
     ``device_live`` also maps the storages made on other devices (CUDA) that are still alive
     to (device, bytes, line); they stay out of the CPU figures."""
 
     def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
-        self.sites: dict[int, str] | None = {} if sites else None
-        self.device_live: dict[int, tuple[str, int, str]] | None = (
+        self.sites: dict[int, Location | None] | None = {} if sites else None
+        self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
             {} if other_devices else None
         )
         self.current = 0
@@ -194,7 +88,7 @@ class StorageCounter(TorchDispatchMode):
         size = storage.nbytes()
         self.live[key] = size
         if self.sites is not None:
-            self.sites[key] = _site()
+            self.sites[key] = user_site()
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
@@ -206,7 +100,7 @@ class StorageCounter(TorchDispatchMode):
         if new is None:
             return
         key, storage = new
-        self.device_live[key] = (str(tensor.device), storage.nbytes(), _site())
+        self.device_live[key] = (str(tensor.device), storage.nbytes(), user_site())
         weakref.finalize(storage, self.device_live.pop, key, None)
 
     def _free(self, key: int) -> None:
@@ -219,7 +113,7 @@ class StorageBackend:
     """Exact CPU backend: every tensor storage created while tracking, counted once."""
 
     name = "cpu-storages"
-    peak_mode = "exact"
+    peak_mode = PeakMode.EXACT
     notes: tuple[str, ...] = (
         "CPU figures count tensor storages created while tracking (a dispatch mode sees "
         "every op); storages that existed before tracking began are the baseline.",

@@ -6,6 +6,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from memsentry.model import PeakMode
+
 
 @runtime_checkable
 class MemoryBackend(Protocol):
@@ -24,7 +26,7 @@ class MemoryBackend(Protocol):
 
     name: str
     device: torch.device
-    peak_mode: str
+    peak_mode: PeakMode
     notes: tuple[str, ...]
 
     def sample(self) -> tuple[int, int | None]: ...

@@ -1,18 +1,17 @@
-"""The mutable side of tracking: per-layer accumulators, layer names and the iteration timeline.
+"""Per-layer accumulators and the names of modules, in first-call order.
 
-This is the only module whose objects change while a loop runs. It holds no tensor and no
-module strongly: modules are looked up through a ``WeakKeyDictionary``.
+Holds no tensor and no module strongly: modules are looked up through a ``WeakKeyDictionary``.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from memsentry.report import IterationStats, LayerStats
+from memsentry.model import LayerStats
 
 MAX_LAYERS = 5000
 OVERFLOW_LAYER = "<other modules>"
@@ -190,30 +189,3 @@ class LayerRegistry:
         """Forget every module (names and records stay), so nothing refers to them."""
         self._names = weakref.WeakKeyDictionary()
         self._by_module = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class Timeline:
-    """Per-iteration records, bounded: past ``capacity`` every other record is dropped, and
-    from then on only every ``stride``-th iteration is kept, so a long run costs fixed memory."""
-
-    capacity: int = 10_000
-    items: list[IterationStats] = field(default_factory=list)
-    stride: int = 1
-    dropped: int = 0
-
-    def add(self, item: IterationStats) -> None:
-        if item.index % self.stride and item.boundary != "exit":  # the end is always kept
-            self.dropped += 1
-            return
-        self.items.append(item)
-        if len(self.items) > self.capacity:
-            self.stride *= 2
-            kept = [it for it in self.items if it.index % self.stride == 0]
-            self.dropped += len(self.items) - len(kept)
-            self.items = kept
-
-    def relabel_last(self, boundary: str) -> None:
-        """Change what closed the newest iteration (an explicit ``t.step()`` took over)."""
-        if self.items:
-            self.items[-1] = replace(self.items[-1], boundary=boundary)

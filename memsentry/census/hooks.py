@@ -1,0 +1,57 @@
+"""Hooks the user registered: per module (module hooks and its parameters' tensor hooks) and
+globally, memsentry's own left out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from memsentry.model import HookStats, Location
+from memsentry.usercode.lines import short_path
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def _describe_hook(hook: Any) -> tuple[str | None, Location | None]:
+    while hasattr(hook, "func") and not hasattr(hook, "__code__"):  # functools.partial
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return type(hook).__name__, None
+    return code.co_name, Location(short_path(code.co_filename), code.co_firstlineno, code.co_name)
+
+
+def _count_hooks(module: str | None, dicts: Iterable[dict[int, Any] | None], own: set[int],
+                 out: list[HookStats]) -> None:
+    count, newest = 0, None
+    for hooks in dicts:
+        for key, hook in (hooks or {}).items():
+            if key not in own:
+                count += 1
+                newest = hook
+    if count:
+        hook_name, where = _describe_hook(newest)
+        out.append(HookStats(module, count, hook_name, where))
+
+
+def hook_census(modules: Iterable[tuple[str, nn.Module]], own: set[int]) -> tuple[HookStats, ...]:
+    """User hooks per module (module hooks and its parameters' tensor hooks) and global ones
+    (``module=None``); hooks whose handle id is in ``own`` are memsentry's."""
+    from torch.nn.modules import module as module_globals
+
+    found: list[HookStats] = []
+    for name, module in modules:
+        dicts: list[Any] = [getattr(module, attr, None) for attr in _HOOK_DICTS]
+        for param in module._parameters.values():
+            if param is not None:
+                dicts.append(param._backward_hooks)
+                dicts.append(getattr(param, "_post_accumulate_grad_hooks", None))
+        _count_hooks(name, dicts, own, found)
+    _count_hooks(None, [getattr(module_globals, a, None) for a in _GLOBAL_HOOK_DICTS],
+                 own, found)
+    return tuple(found)

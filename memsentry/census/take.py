@@ -1,0 +1,211 @@
+"""A census: who holds tensors, hooks and garbage at an iteration boundary; and the search for
+who holds given storages (the pytest plugin's question).
+
+The roots are what the training loop can reach: the locals of the user's frames on the stack,
+the globals of the user's modules, the tracked model and the class attributes of the user's
+classes. Every holder is named the way the code spells it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+import types
+from typing import Any
+
+from torch import nn
+
+from memsentry.census.graphs import graph_size
+from memsentry.census.hooks import hook_census
+from memsentry.census.walk import OPAQUE, Budget, Holder, SourceHint, Walk, atomic
+from memsentry.model import (
+    Census,
+    GarbageStats,
+    HeldTensor,
+    HolderKind,
+    HolderStats,
+    Location,
+    Scope,
+    ScopeKind,
+    Step,
+    StepKind,
+)
+from memsentry.usercode.frames import (
+    frame_locals,
+    release_locals,
+    running_frames,
+    user_frames,
+    user_modules,
+)
+from memsentry.usercode.lines import growth_line, short_path
+
+#: A root given to :func:`find_holders`: its path, the object, what it is and where it lives.
+Root = tuple[tuple[Step, ...], Any, HolderKind, Scope | None]
+
+
+def _root(name: str) -> tuple[Step, ...]:
+    return (Step(StepKind.ROOT, name),)
+
+
+def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: str | None, *,
+                classes: bool = False) -> None:
+    """A module's globals as roots (and, with ``classes``, its classes' attributes)."""
+    if module_name == "__main__" and path:
+        scope = Scope(ScopeKind.SCRIPT, short_path(path))
+    else:
+        scope = Scope(ScopeKind.MODULE, module_name)
+    files = (path,) if path else ()
+    for name, value in list(namespace.items()):
+        if name.startswith("__"):
+            continue
+        if not atomic(value) and not isinstance(value, OPAQUE):
+            walk.add_root(value, _root(name), HolderKind.GLOBAL, scope, SourceHint(name, files))
+        elif classes and isinstance(value, type):
+            walk.add_class(value)
+
+
+def _add_frames(walk: Walk, frame: types.FrameType | None,
+                namespaces: dict[int, tuple[dict[str, Any], str, str | None]]) -> None:
+    """The locals of the user's function frames as roots; their globals into ``namespaces``."""
+    frames = user_frames(frame)
+    try:
+        for user_frame in frames:
+            code = user_frame.f_code
+            path = code.co_filename
+            if code.co_flags & inspect.CO_OPTIMIZED:
+                scope = Scope(ScopeKind.FUNCTION, code.co_name, short_path(path))
+                for name, value in frame_locals(user_frame).items():
+                    if name.isidentifier():
+                        hint = SourceHint(name, (path,), code.co_firstlineno, user_frame.f_lineno)
+                        walk.add_root(value, _root(name), HolderKind.LOCAL, scope, hint)
+            namespaces.setdefault(
+                id(user_frame.f_globals),
+                (user_frame.f_globals, user_frame.f_globals.get("__name__", "?"), path),
+            )
+    finally:
+        for user_frame in frames:
+            release_locals(user_frame)
+        del frames
+
+
+def take_census(
+    iteration: int,
+    *,
+    frame: types.FrameType | None,
+    model: nn.Module | None,
+    modules: list[tuple[str, nn.Module]],
+    static: set[int],
+    own_hooks: set[int],
+    skip: set[int],
+    budget: float,
+    garbage: GarbageStats | None,
+) -> Census:
+    """Name the holders of every tensor reachable from the user's frames (innermost first),
+    their modules' globals, the model and the user's classes, within ``budget`` seconds."""
+    started = time.perf_counter()
+    walk = Walk(Budget(budget), static, skip, live_frames=running_frames(frame))
+    namespaces: dict[int, tuple[dict[str, Any], str, str | None]] = {}
+    _add_frames(walk, frame, namespaces)
+    for module in user_modules():
+        namespaces.setdefault(id(vars(module)), (vars(module), module.__name__, module.__file__))
+    last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
+    if last_error is not None:
+        walk.add_root(last_error, (Step(StepKind.ROOT, "sys"), Step(StepKind.ATTRIBUTE,
+                      "last_value")), HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "sys"),
+                      SourceHint("last_value"))
+    for namespace, module_name, path in namespaces.values():
+        add_globals(walk, namespace, module_name, path)
+    if model is not None:
+        name = type(model).__name__
+        walk.add_root(model, _root(name), HolderKind.MODEL, None, SourceHint(name))
+    for _name, module in modules:
+        walk.add_class(type(module))
+    walk.run()
+    holders = _freeze_holders(walk)
+    holders += _gradient_holders(walk, modules)
+    return Census(
+        iteration=iteration,
+        seconds=time.perf_counter() - started,
+        complete=not walk.budget.exhausted,
+        objects=walk.visited,
+        holders=tuple(holders),
+        hooks=hook_census(modules, own_hooks),
+        garbage=garbage,
+    )
+
+
+def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
+                 ) -> tuple[list[HeldTensor], bool]:
+    """Who holds the tensors whose storage starts at one of ``pointers``.
+
+    Walks ``roots`` first, then the globals of the user's modules and their classes'
+    attributes, breadth first, so each tensor gets its shortest path. Returns the tensors found
+    (each storage once) and whether the walk finished within ``budget`` seconds. Nothing found
+    is kept alive.
+    """
+    walk = Walk(Budget(budget), set(), set(), targets=set(pointers),
+                live_frames=running_frames(sys._getframe()))
+    for path, obj, kind, scope in roots:
+        walk.add_root(obj, path, kind, scope, SourceHint(path[-1].name if path else ""))
+    for module in user_modules():
+        add_globals(walk, vars(module), module.__name__, module.__file__, classes=True)
+    walk.run()
+    return walk.found, not walk.budget.exhausted
+
+
+def _where(hint: SourceHint) -> Location | None:
+    """The line that fills the holder, else the fallback line (where its frame stood)."""
+    for path in hint.files:
+        line = growth_line(path, hint.name, function_line=hint.function_line)
+        if line is not None:
+            return Location(short_path(path), line)
+    if hint.files and hint.fallback_line is not None:
+        return Location(short_path(hint.files[0]), hint.fallback_line)
+    return None
+
+
+def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
+    return HolderStats(
+        path=holder.path, kind=holder.kind, scope=holder.scope, where=_where(holder.hint),
+        items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
+        graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
+        modules=holder.modules,
+    )
+
+
+def _freeze_holders(walk: Walk) -> list[HolderStats]:
+    frozen = []
+    nodes_seen: set[int] = set()
+    for holder in walk.holders.values():
+        nodes, saved = graph_size(walk, holder.roots, nodes_seen) if holder.roots else (0, 0)
+        holder.roots.clear()
+        frozen.append(_freeze(holder, nodes, saved))
+    return frozen
+
+
+def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]]) -> list[HolderStats]:
+    """Parameters whose ``.grad`` carries a ``grad_fn`` (``backward(create_graph=True)``): one
+    holder for all of them, named after the first; ``items`` counts them."""
+    paths: list[tuple[Step, ...]] = []
+    roots, size = [], 0
+    for module_name, module in modules:
+        for param_name, param in module._parameters.items():
+            grad = None if param is None else param.grad
+            if grad is not None and grad.grad_fn is not None:
+                steps = [*module_name.split("."), param_name] if module_name else [param_name]
+                paths.append((Step(StepKind.ROOT, steps[0]),
+                              *(Step(StepKind.ATTRIBUTE, s) for s in [*steps[1:], "grad"])))
+                roots.append(grad.grad_fn)
+                size += walk.count_bytes(grad)
+    if not paths:
+        return []
+    nodes, saved = graph_size(walk, roots, set())
+    roots.clear()
+    return [
+        HolderStats(
+            path=paths[0], kind=HolderKind.GRADIENT, scope=None, where=None, items=len(paths),
+            tensors=len(paths), bytes=size, graph_tensors=len(paths), graph_nodes=nodes,
+            graph_saved_bytes=saved,
+        )
+    ]

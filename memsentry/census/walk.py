@@ -1,0 +1,293 @@
+"""The object walk of a census: breadth first from named roots, so each tensor is named by its
+shortest path; every storage counted once; within a time budget.
+
+A path is typed (:class:`~memsentry.model.Step`): attributes and string keys extend a holder's
+path; list indices, set members, non-string keys and a traceback's frame locals belong to the
+holder above them (its items, counted together).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsentry.model import HeldTensor, HolderKind, Scope, ScopeKind, Step, StepKind
+from memsentry.usercode.frames import is_user_class, source_file
+
+_ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
+          type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
+#: Objects never walked into: code, functions, classes, optimizers, autograd nodes.
+OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+          types.FrameType, types.CodeType, types.GeneratorType, types.CoroutineType,
+          type, property, staticmethod, classmethod,
+          torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+          torch.autograd.graph.Node)
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
+_MAX_DEPTH = 12
+_CHECK_EVERY = 256
+
+
+@dataclass(frozen=True)
+class SourceHint:
+    """Where to look for the line that fills a holder: the ``name`` it is spelled by, the
+    ``files`` to search, the first line of the function to search in (``None``: the whole
+    file) and a line to fall back on."""
+
+    name: str
+    files: tuple[str, ...] = ()
+    function_line: int | None = None
+    fallback_line: int | None = None
+
+
+@dataclass(eq=False)
+class Holder:
+    """A holder's running counts during one walk."""
+
+    path: tuple[Step, ...]
+    kind: HolderKind
+    scope: Scope | None
+    hint: SourceHint
+    items: int | None = None
+    tensors: int = 0
+    bytes: int = 0
+    modules: int = 0
+    graph_tensors: int = 0
+    roots: list[Any] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Item:
+    obj: Any
+    path: tuple[Step, ...]
+    kind: HolderKind
+    scope: Scope | None
+    hint: SourceHint
+    depth: int
+    frozen: bool
+
+
+class Budget:
+    """Seconds a walk may take, checked every few hundred steps."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.perf_counter() + seconds
+        self.ticks = 0
+        self.exhausted = False
+
+    def spent(self) -> bool:
+        self.ticks += 1
+        if self.ticks % _CHECK_EVERY == 0 and time.perf_counter() > self.deadline:
+            self.exhausted = True
+        return self.exhausted
+
+
+def atomic(obj: Any) -> bool:
+    """Nothing to find inside (numbers, strings, dtypes) or nothing safe to look at (a weak
+    proxy whose object is gone raises on any access)."""
+    try:
+        return isinstance(obj, _ATOMS)
+    except Exception:
+        return True
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+    """((device, storage pointer), storage bytes), or ``None`` for storage-less tensors."""
+    try:
+        storage = tensor.untyped_storage()
+        return (str(tensor.device), storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _traceback_locals(tb: types.TracebackType | None, live: set[int]
+                      ) -> Iterator[tuple[Step, Any, bool]]:
+    """The locals of the finished frames a traceback keeps (frames still running are roots of
+    their own, and reading theirs here would keep a snapshot alive)."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if id(frame) not in live:
+            for name, value in list(frame.f_locals.items()):
+                yield Step(StepKind.FRAME_LOCAL, name, frame.f_code.co_name), value, True
+        tb = tb.tb_next
+
+
+def children(obj: Any, live: set[int]) -> Iterator[tuple[Step, Any, bool]]:
+    """(step, child, positional) for what ``obj`` holds; positional steps (sequence indices,
+    set members, non-string keys, a traceback's frame locals) belong to the holder above."""
+    if isinstance(obj, types.TracebackType):
+        yield from _traceback_locals(obj, live)
+        return
+    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
+        yield Step(StepKind.ATTRIBUTE, "__traceback__"), obj.__traceback__, False
+    if isinstance(obj, dict):
+        for key, value in list(obj.items()):
+            yield Step(StepKind.KEY, repr(key)), value, not isinstance(key, str)
+    elif isinstance(obj, list | tuple | collections.deque):
+        for index, value in enumerate(list(obj)):
+            yield Step(StepKind.INDEX, str(index)), value, True
+    elif isinstance(obj, set | frozenset):
+        for value in list(obj):
+            yield Step(StepKind.MEMBER, ""), value, True
+    elif isinstance(obj, nn.Module):
+        for name, child in obj._modules.items():
+            if child is not None:
+                yield Step(StepKind.ATTRIBUTE, name), child, False
+        for name, value in list(vars(obj).items()):
+            if name not in _MODULE_INTERNALS:
+                yield Step(StepKind.ATTRIBUTE, name), value, False
+    else:
+        attributes = getattr(obj, "__dict__", None)
+        if isinstance(attributes, dict):
+            for name, value in list(attributes.items()):
+                yield Step(StepKind.ATTRIBUTE, name), value, False
+        for name in getattr(type(obj), "__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                yield Step(StepKind.ATTRIBUTE, name), getattr(obj, name), False
+
+
+class Walk:
+    """One census walk over everything reachable from the roots added to it.
+
+    With ``targets`` (storage pointers) it looks for those storages only and records each as a
+    :class:`HeldTensor` with its full path; without, it counts tensors per holder.
+    """
+
+    def __init__(self, budget: Budget, static: set[int], skip: set[int],
+                 targets: set[int] | None = None, live_frames: set[int] | None = None) -> None:
+        self.budget = budget
+        self.targets = targets
+        self.found: list[HeldTensor] = []
+        self.static = static
+        self.seen: set[int] = set(skip)
+        self.storages: set[tuple[str, int]] = set()
+        self.classes: set[type] = set()
+        self.holders: dict[tuple[Step, ...], Holder] = {}
+        self.items: dict[tuple[Step, ...], int] = {}
+        self.queue: collections.deque[_Item] = collections.deque()
+        self.visited = 0
+        self.live_frames = live_frames or set()
+
+    def add_root(self, obj: Any, path: tuple[Step, ...], kind: HolderKind,
+                 scope: Scope | None, hint: SourceHint) -> None:
+        if id(obj) in self.seen or atomic(obj):
+            return
+        self.queue.append(_Item(obj, path, kind, scope, hint, 0, False))
+
+    def add_class(self, cls: type) -> None:
+        """The attributes of ``cls`` and its user-defined bases, as roots."""
+        for klass in cls.__mro__:
+            if klass in self.classes or klass is object:
+                continue
+            self.classes.add(klass)
+            if not is_user_class(klass):
+                continue
+            source = source_file(klass)
+            scope = Scope(ScopeKind.CLASS, klass.__qualname__)
+            for name, value in list(vars(klass).items()):
+                if name.startswith("__") or atomic(value) or isinstance(value, OPAQUE):
+                    continue
+                path = (Step(StepKind.ROOT, klass.__qualname__), Step(StepKind.ATTRIBUTE, name))
+                self.add_root(value, path, HolderKind.CLASS_ATTRIBUTE, scope,
+                              SourceHint(name, (source,) if source else ()))
+
+    def count_bytes(self, tensor: torch.Tensor, *, parameters: bool = False) -> int:
+        """The storage's bytes the first time it is met; parameters and buffers of tracked
+        modules count only when ``parameters`` is on (a whole model kept in a container)."""
+        key = storage_key(tensor)
+        if key is None:
+            return 0
+        (device, pointer), size = key
+        if (pointer in self.static and not parameters) or (device, pointer) in self.storages:
+            return 0
+        self.storages.add((device, pointer))
+        return size
+
+    def run(self) -> None:
+        while self.queue and not self.budget.spent():
+            item = self.queue.popleft()
+            obj = item.obj
+            if id(obj) in self.seen:
+                continue
+            self.seen.add(id(obj))
+            self.visited += 1
+            try:
+                self._visit(item, obj)
+            except Exception:  # a proxy to a dead object, a property that raises: skip it
+                continue
+
+    def _holder(self, item: _Item) -> Holder:
+        holder = self.holders.get(item.path)
+        if holder is None:
+            holder = self.holders[item.path] = Holder(
+                item.path, item.kind, item.scope, item.hint, self.items.get(item.path)
+            )
+        return holder
+
+    def _visit(self, item: _Item, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if self.targets is not None:
+                self._match(item, obj)
+            elif not isinstance(obj, nn.Parameter):
+                holder = self._holder(item)
+                holder.tensors += 1
+                holder.bytes += self.count_bytes(obj)
+                if obj.grad_fn is not None:
+                    holder.graph_tensors += 1
+                    holder.roots.append(obj.grad_fn)
+            return
+        if isinstance(obj, OPAQUE) or type(obj).__module__.startswith("memsentry"):
+            return
+        if isinstance(obj, nn.Module) and item.frozen:
+            holder = self._holder(item)  # a model kept in a container: count it, whole
+            holder.modules += 1
+            holder.bytes += sum(self.count_bytes(p, parameters=True) for p in obj.parameters())
+            return
+        cls = type(obj)
+        if not isinstance(obj, _CONTAINERS):
+            if cls.__module__.startswith("torch.") and not isinstance(obj, nn.Module):
+                return
+            self.add_class(cls)
+        elif not item.frozen:
+            self.items[item.path] = len(obj)
+            if item.path in self.holders:
+                self.holders[item.path].items = len(obj)
+        if item.depth < _MAX_DEPTH:
+            self._enqueue_children(item, obj, cls)
+
+    def _enqueue_children(self, item: _Item, obj: Any, cls: type) -> None:
+        files = item.hint.files
+        source = source_file(cls) if cls.__module__ != "builtins" else None
+        for step, child, positional in children(obj, self.live_frames):
+            if id(child) in self.seen or atomic(child):
+                continue
+            if (item.frozen or positional) and self.targets is None:
+                self.queue.append(_Item(child, item.path, item.kind, item.scope, item.hint,
+                                        item.depth + 1, True))
+                continue
+            hint = item.hint
+            if step.kind == StepKind.ATTRIBUTE:
+                hint = SourceHint(step.name, (source, *files) if source else files)
+            self.queue.append(_Item(child, (*item.path, step), item.kind, item.scope, hint,
+                                    item.depth + 1, False))
+
+    def _match(self, item: _Item, tensor: torch.Tensor) -> None:
+        key = storage_key(tensor)
+        assert self.targets is not None
+        if key is None or key[0][1] not in self.targets or key[0] in self.storages:
+            return
+        self.storages.add(key[0])
+        self.found.append(
+            HeldTensor(
+                path=item.path, kind=item.kind, scope=item.scope,
+                shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
+                device=str(tensor.device), bytes=key[1], grad_fn=tensor.grad_fn is not None,
+            )
+        )

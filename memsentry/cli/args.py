@@ -1,0 +1,40 @@
+"""Argument types and helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of at least {minimum}, got {value}"
+            )
+        return value
+
+    return parse
+
+
+def add_table_options(parser: argparse.ArgumentParser) -> None:
+    """``--top``, ``--depth`` and ``--width``: how the text report's layer table is shaped."""
+    parser.add_argument("--top", type=at_least(1), default=30,
+                        help="layers shown in the table, largest footprint first (default 30)")
+    parser.add_argument("--depth", type=at_least(0), default=None,
+                        help="hide layers nested deeper than this (the root is depth 0)")
+    parser.add_argument("--width", type=at_least(1), default=100,
+                        help="terminal width the table is fitted to (default 100)")
+
+
+def fail(command: str, message: str, code: int = 2) -> int:
+    """Say what went wrong on standard error; return the exit code."""
+    print(f"memsentry {command}: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,86 @@
+"""``memsentry run``: an unmodified script under tracking, then its report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+
+from memsentry.cli.args import add_table_options, fail
+from memsentry.errors import MemsentryError
+from memsentry.tracker import Tracker
+
+
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="FILE", help="also save the report as JSON to FILE")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the text report to FILE instead of standard output")
+    parser.add_argument("--device",
+                        help="device to measure (default: the first module's device)")
+    parser.add_argument("--exact", action="store_true",
+                        help="exact peaks (CPU: count every storage, ~1.15x slower; CUDA: "
+                             "resets the allocator's peak counter)")
+    add_table_options(parser)
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="run SCRIPT as a module name, like python -m")
+    parser.add_argument("script", help="the script to run (or the module name, with -m)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    """Run the script as ``__main__``; its exit code (1 for an uncaught error, shown)."""
+    try:
+        if args.module:
+            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except Exception:  # the script's own failure: show it, still report
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.module and not os.path.isfile(args.script):
+        return fail("run", f"no such script: {args.script!r}")
+    try:
+        tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore")
+    except (MemsentryError, TypeError, ValueError) as exc:
+        return fail("run", str(exc))
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [args.script, *args.args]
+    if not args.module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    try:
+        with tracker:
+            code = _run_script(args)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    report = tracker.report()
+    text = report.format(max_depth=args.depth, top=args.top, width=args.width)
+    sys.stdout.flush()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    else:
+        print(f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}")
+    if args.json:
+        report.to_json(args.json)
+    return code

@@ -1,0 +1,68 @@
+"""Measuring: how memory is read on each kind of device, and which backend a tracker uses.
+
+The bottom of the pipeline (measure -> record -> analyse -> report): it imports only the
+values (:mod:`memsentry.model`) and the foundation modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memsentry.measure.accelerator import AcceleratorBackend
+from memsentry.measure.base import MemoryBackend
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
+from memsentry.measure.cuda import CudaBackend
+from memsentry.measure.devices import (
+    DEDICATED_DEVICE_TYPES,
+    check_supported,
+    device_of_module,
+    parse_device,
+    supported_device_types,
+)
+from memsentry.measure.nvml import NvmlInfo
+from memsentry.measure.nvml import query as nvml_query
+from memsentry.measure.storage import StorageBackend, StorageCounter
+
+__all__ = [
+    "DEDICATED_DEVICE_TYPES",
+    "SLOW_SAMPLE",
+    "AcceleratorBackend",
+    "CudaBackend",
+    "MallinfoBackend",
+    "MemoryBackend",
+    "NvmlInfo",
+    "StorageBackend",
+    "StorageCounter",
+    "device_of_module",
+    "make_backend",
+    "nvml_query",
+    "parse_device",
+    "supported_device_types",
+]
+
+#: A mallinfo2() call slower than this (seconds) makes the CPU backend count storages instead;
+#: a tracker takes some 250 samples a step, so 20 us is 5 ms a step.
+SLOW_SAMPLE = 20e-6
+
+
+def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
+    """The backend measuring ``device``: CUDA's allocator, another accelerator's statistics,
+    glibc counters, or storage counting."""
+    check_supported(device, f"device {str(device)!r}")
+    if device.type == "cuda":
+        return CudaBackend(device, exact=exact)
+    if device.type != "cpu":
+        return AcceleratorBackend(device, exact=exact)
+    if exact or MALLINFO2_UNAVAILABLE is not None:
+        return StorageBackend()
+    backend = MallinfoBackend()
+    cost = backend.sample_cost()
+    if cost > SLOW_SAMPLE:
+        storages = StorageBackend()
+        storages.notes = (
+            *storages.notes,
+            f"glibc mallinfo2() took {cost * 1e6:,.0f} us a call on this process's fragmented "
+            "heap (it walks every free chunk), so memsentry counts tensor storages instead.",
+        )
+        return storages
+    return backend

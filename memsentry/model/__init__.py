@@ -1,0 +1,58 @@
+"""The values memsentry produces: frozen dataclasses with typed fields, and the enums they use.
+
+Nothing here measures, records or prints. The recording layer builds these values, the rules
+read them, the reporters format them. Every value round-trips through a plain dict
+(:mod:`memsentry.model.codec`).
+"""
+
+from memsentry.model.findings import Finding, Location, Subject
+from memsentry.model.holders import (
+    Census,
+    GarbageStats,
+    HeldTensor,
+    HolderStats,
+    HookStats,
+    Scope,
+    Step,
+    UnusedGraph,
+    spell,
+)
+from memsentry.model.kinds import (
+    Boundary,
+    HolderKind,
+    PeakMode,
+    ScopeKind,
+    Severity,
+    StepKind,
+    SubjectKind,
+)
+from memsentry.model.report import SCHEMA_VERSION, ReportData
+from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Boundary",
+    "Census",
+    "Finding",
+    "GarbageStats",
+    "HeldTensor",
+    "HolderKind",
+    "HolderStats",
+    "HookStats",
+    "IterationStats",
+    "LayerStats",
+    "Location",
+    "PeakMode",
+    "ReportData",
+    "Scope",
+    "ScopeKind",
+    "Severity",
+    "Step",
+    "StepKind",
+    "Subject",
+    "SubjectKind",
+    "UnusedGraph",
+    "complete",
+    "growth_per_iteration",
+    "spell",
+]

@@ -1,0 +1,51 @@
+"""A verdict of the rules: what was seen, about what, where, and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memsentry.model.kinds import Severity, SubjectKind
+from memsentry.model.places import Location, Step, spell
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What a finding is about: a holder (with its ``path``), a module, a type (in a reference
+    cycle), a device, or the loop itself. ``name`` is how reports print it."""
+
+    kind: SubjectKind
+    name: str
+    path: tuple[Step, ...] | None = None
+
+    @classmethod
+    def holder(cls, path: tuple[Step, ...]) -> Subject:
+        return cls(SubjectKind.HOLDER, spell(path), path)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One verdict of the heuristics engine: what was seen, who holds it, how to fix it.
+
+    ``rule`` is the stable id of the rule; ``message`` and ``fix`` are for people; ``bytes``
+    and ``rate`` (bytes per iteration) are the figures; ``subject`` is what the finding is
+    about and ``location`` the line to change, when known.
+    """
+
+    rule: str
+    severity: Severity
+    message: str
+    fix: str
+    bytes: int | None = None
+    rate: float | None = None
+    subject: Subject | None = None
+    location: Location | None = None
+
+    @property
+    def where(self) -> str | None:
+        """For display: the line (``file:line``) when known, else the subject's name."""
+        if self.location is not None:
+            return str(self.location)
+        return self.subject.name if self.subject is not None else None
+
+
+__all__ = ["Finding", "Location", "Subject"]

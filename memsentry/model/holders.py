@@ -1,0 +1,132 @@
+"""What a census saw at an iteration boundary: holders of tensors, hooks, garbage; and the
+forward calls whose graph no backward used."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memsentry.model.kinds import HolderKind
+from memsentry.model.places import Location, Scope, Step, spell
+
+
+@dataclass(frozen=True)
+class HolderStats:
+    """Tensors reachable through one holder at a census (see :class:`Census`).
+
+    ``path`` is how the user's code reaches the holder, as typed steps; ``name`` spells it
+    (``total_loss``, ``self.history['loss']``, ``Block.saved``, ``fc.weight.grad``). ``kind``
+    says where the path starts (a :class:`~memsentry.HolderKind`: a local, a global, a class
+    attribute, the model, parameters' gradients); ``scope`` where that lives (``train() in
+    train.py``); ``where`` the line that fills it, when found. ``items`` is the holder's length
+    when it is a container (for gradients, how many parameters carry one). ``tensors`` and
+    ``bytes`` count the tensors under it (each storage once per census), ``modules`` the
+    ``nn.Module`` objects kept under it (their parameters are in ``bytes``); ``graph_tensors``
+    those carrying a ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
+    ``graph_saved_bytes`` the tensors those nodes keep for backward.
+    """
+
+    path: tuple[Step, ...]
+    kind: HolderKind
+    scope: Scope | None
+    where: Location | None
+    items: int | None
+    tensors: int
+    bytes: int
+    graph_tensors: int = 0
+    graph_nodes: int = 0
+    graph_saved_bytes: int = 0
+    modules: int = 0
+
+    @property
+    def name(self) -> str:
+        """The path as code spells it."""
+        return spell(self.path)
+
+    @property
+    def root(self) -> str:
+        """The name the path starts from: ``logger`` for ``logger.history['loss']``."""
+        return self.path[0].name if self.path else ""
+
+
+@dataclass(frozen=True)
+class HookStats:
+    """User hooks registered on one module (``module=None``: registered globally), memsentry's
+    own left out. ``hook`` names the newest hook function and ``where`` its definition."""
+
+    module: str | None
+    count: int
+    hook: str | None = None
+    where: Location | None = None
+
+
+@dataclass(frozen=True)
+class GarbageStats:
+    """What the census's own garbage collection found: objects kept only by reference cycles.
+
+    ``objects`` and ``tensors`` count the unreachable objects found in the young generation,
+    ``bytes`` the storage of those tensors, ``freed`` the allocated memory the collection gave
+    back. ``types`` are the most frequent types among them (the cycle's members), most first.
+    ``gc_enabled`` is whether the automatic collector was on; ``full_collections`` and
+    ``full_freed`` count the automatic full collections since the previous census and the
+    memory they freed.
+    """
+
+    objects: int
+    tensors: int
+    bytes: int
+    freed: int
+    types: tuple[tuple[str, int], ...] = ()
+    gc_enabled: bool = True
+    full_collections: int = 0
+    full_freed: int = 0
+
+
+@dataclass(frozen=True)
+class Census:
+    """Who held tensors at one iteration boundary: taken after warm-up and then at growing
+    intervals, within a time budget. ``complete`` is false when the budget ran out first."""
+
+    iteration: int
+    seconds: float
+    complete: bool
+    objects: int
+    holders: tuple[HolderStats, ...] = ()
+    hooks: tuple[HookStats, ...] = ()
+    garbage: GarbageStats | None = None
+
+
+@dataclass(frozen=True)
+class UnusedGraph:
+    """Forward calls of an outermost module, run with autograd on, whose graph no backward ever
+    used. ``saved_bytes`` is the most one call saved for backward (``None`` when not measured),
+    ``eval_calls`` how many of the calls ran in ``eval()`` mode, ``where`` the caller's line
+    (with its function)."""
+
+    module: str
+    calls: int
+    eval_calls: int
+    saved_bytes: int | None
+    where: Location | None = None
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """A tensor found by a search for given storages: the ``path`` that reaches it (``name``
+    spells it: ``CACHE['warm'][3]``, ``TestModel.outputs[0]``), and what the tensor is."""
+
+    path: tuple[Step, ...]
+    kind: HolderKind
+    scope: Scope | None
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    bytes: int
+    grad_fn: bool
+
+    @property
+    def name(self) -> str:
+        return spell(self.path)
+
+
+__all__ = ["Census", "GarbageStats", "HeldTensor", "HolderStats", "HookStats", "Location",
+           "Scope", "Step", "UnusedGraph", "spell"]

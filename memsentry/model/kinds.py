@@ -1,0 +1,84 @@
+"""The categories values are made of: string enums, so that they compare equal to their JSON
+spelling (``Boundary.OPTIMIZER == "optimizer"``) and print as it."""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Text(str, enum.Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Severity(_Text):
+    """How bad a finding is: LEAK grows without bound, WASTE raises the peak, HINT is advice."""
+
+    LEAK = "leak"
+    WASTE = "waste"
+    HINT = "hint"
+
+
+class Boundary(_Text):
+    """What closed an iteration: an optimizer step, ``t.step()``, or the end of tracking (a
+    partial iteration)."""
+
+    OPTIMIZER = "optimizer"
+    STEP = "step"
+    EXIT = "exit"
+
+
+class PeakMode(_Text):
+    """How peaks were measured: at sample points (a lower bound) or counting every allocation."""
+
+    SAMPLED = "sampled"
+    EXACT = "exact"
+
+
+class HolderKind(_Text):
+    """What a holder of tensors is, where its path starts."""
+
+    LOCAL = "local"
+    GLOBAL = "global"
+    CLASS_ATTRIBUTE = "class attribute"
+    MODEL = "model"
+    GRADIENT = "gradient"
+    TEST_INSTANCE = "test instance"
+    FIXTURE = "fixture"
+
+
+class ScopeKind(_Text):
+    """Where a holder lives: a function's frame, a module, the script run as ``__main__``, a
+    class, or a pytest fixture's scope."""
+
+    FUNCTION = "function"
+    MODULE = "module"
+    SCRIPT = "script"
+    CLASS = "class"
+    FIXTURE = "fixture"
+
+
+class StepKind(_Text):
+    """One step of a holder's path: the root name, an attribute, a dict key, a sequence index,
+    a set member, or a local of a frame kept by a traceback."""
+
+    ROOT = "root"
+    ATTRIBUTE = "attribute"
+    KEY = "key"
+    INDEX = "index"
+    MEMBER = "member"
+    FRAME_LOCAL = "frame local"
+
+
+class SubjectKind(_Text):
+    """What a finding is about."""
+
+    HOLDER = "holder"
+    MODULE = "module"
+    TYPE = "type"
+    DEVICE = "device"
+    LOOP = "loop"
+
+
+__all__ = ["Boundary", "HolderKind", "PeakMode", "ScopeKind", "Severity", "StepKind",
+           "SubjectKind"]

@@ -1,0 +1,107 @@
+"""Everything one tracking run recorded and the rules concluded, frozen, with its JSON form."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from memsentry.model.codec import build, to_plain
+from memsentry.model.findings import Finding
+from memsentry.model.holders import Census, UnusedGraph
+from memsentry.model.kinds import PeakMode
+from memsentry.model.legacy import upgrade
+from memsentry.model.timeline import IterationStats, LayerStats
+
+#: The version of the JSON layout; 1 was memsentry 0.1.0's (holders named by a string).
+SCHEMA_VERSION = 2
+
+R = TypeVar("R", bound="ReportData")
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """Everything one ``track()`` run recorded, and the findings the rules made of it.
+
+    ``baseline`` is the allocated memory when tracking began (parameters, buffers and every
+    tensor created before are part of it, not growth). ``peak_mode`` says how peaks were
+    measured (``"sampled"``, at module and saved-tensor boundaries: a lower bound of the true
+    peak; or ``"exact"``, every allocation counted). ``allocator_stats`` is the backend's raw
+    counters when the report was made (``torch.cuda.memory_stats()`` on CUDA, glibc's
+    ``mallinfo2`` fields on CPU); ``nvml`` is the driver's view of a CUDA device (used, total,
+    this process, utilisation) or why it is unavailable. ``censuses`` are the holder searches
+    made at iteration boundaries; ``unused_graphs`` the forward calls whose autograd graph no
+    backward used.
+
+    :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
+    """
+
+    device: str
+    backend: str
+    baseline: int
+    layers: tuple[LayerStats, ...] = ()
+    iterations: tuple[IterationStats, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    peak: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    total_memory: int | None = None
+    peak_mode: PeakMode = PeakMode.SAMPLED
+    notes: tuple[str, ...] = ()
+    dropped_iterations: int = 0
+    torch_version: str = ""
+    allocator_stats: dict[str, Any] | None = None
+    nvml: dict[str, Any] | None = None
+    censuses: tuple[Census, ...] = ()
+    unused_graphs: tuple[UnusedGraph, ...] = ()
+
+    def layer(self, name: str) -> LayerStats:
+        """The :class:`LayerStats` called ``name``; ``KeyError`` lists the names if absent."""
+        for stats in self.layers:
+            if stats.name == name:
+                return stats
+        known = ", ".join(repr(s.name) for s in self.layers[:12])
+        more = "" if len(self.layers) <= 12 else f" and {len(self.layers) - 12} more"
+        raise KeyError(f"no layer named {name!r}; recorded layers: {known or 'none'}{more}")
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (plain ints, floats, strings, lists) with a ``schema`` version."""
+        data: dict[str, Any] = to_plain(self)
+        data["schema"] = SCHEMA_VERSION
+        return data
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
+        """Serialise to JSON; also write it to ``path`` when one is given. Returns the text."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls: type[R], data: dict[str, Any]) -> R:
+        """Rebuild a report written by :meth:`to_dict` (or read back from :meth:`to_json`);
+        reports of schema 1 (memsentry 0.1.0) are upgraded. Unknown keys are ignored."""
+        if not isinstance(data, dict) or "device" not in data or "backend" not in data:
+            raise ValueError(
+                "not a memsentry report: expected a JSON object with 'device', 'backend' and "
+                "'schema' keys, as written by Report.to_json() or `memsentry run --json`"
+            )
+        schema = data.get("schema", 1)
+        if not isinstance(schema, int) or schema > SCHEMA_VERSION:
+            raise ValueError(
+                f"this report has schema {schema!r}, newer than this memsentry reads "
+                f"({SCHEMA_VERSION}); upgrade memsentry to read it"
+            )
+        return build(cls, upgrade(data) if schema < SCHEMA_VERSION else data)
+
+    @classmethod
+    def from_json(cls: type[R], path: str | os.PathLike[str]) -> R:
+        """Read a report saved with :meth:`to_json`."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+
+__all__ = ["SCHEMA_VERSION", "ReportData"]

@@ -1,0 +1,83 @@
+"""Per-layer and per-iteration figures, and the arithmetic every reader of a timeline shares."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memsentry.model.kinds import Boundary
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Memory figures of one module, per forward call, the largest call seen.
+
+    All sizes are bytes; ``None`` means the figure was not measured (for instance the
+    backward figures of a layer whose forward ran without autograd).
+
+    - ``param_bytes``: parameters of the module and its children (shared ones counted once).
+    - ``output_bytes``: storage of the tensors the forward returned, each storage once.
+    - ``saved_bytes``: activation memory saved for backward by ops run inside the forward,
+      excluding parameters and buffers (they are not new memory).
+    - ``forward_delta``: allocated after the forward minus allocated before it.
+    - ``forward_peak``: highest allocated during the forward minus allocated before it.
+    - ``backward_delta`` / ``backward_peak``: the same around the module's backward.
+    """
+
+    name: str
+    type: str
+    depth: int
+    calls: int
+    param_bytes: int
+    output_bytes: int | None
+    saved_bytes: int | None
+    forward_delta: int | None
+    forward_peak: int | None
+    backward_delta: int | None = None
+    backward_peak: int | None = None
+    backward_calls: int = 0
+    is_leaf: bool = True
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One iteration of the loop: from one boundary (optimizer step or ``t.step()``) to the next.
+
+    ``allocated`` and ``reserved`` are read at the closing boundary; ``peak`` is the highest
+    allocated seen inside the iteration; ``boundary`` says what closed it (a
+    :class:`~memsentry.Boundary`: ``"optimizer"``, ``"step"`` for ``t.step()``, or ``"exit"``
+    for the end of tracking, a partial iteration). ``data_seconds`` is the time from the
+    iteration's start to its first module call (waiting for data, moving it, zeroing
+    gradients); ``batch`` is the first dimension of the first tensor given to the outermost
+    module (``None`` when no tensor was given).
+    """
+
+    index: int
+    allocated: int
+    reserved: int | None
+    peak: int
+    seconds: float
+    boundary: Boundary = Boundary.STEP
+    forward_calls: int = 0
+    data_seconds: float | None = None
+    batch: int | None = None
+
+
+def complete(iterations: Sequence[IterationStats], *, skip: int = 0) -> list[IterationStats]:
+    """The iterations a boundary closed (the partial one at the end of tracking left out),
+    without the first ``skip`` of them (warm-up)."""
+    return [it for it in iterations if it.boundary != Boundary.EXIT][skip:]
+
+
+def growth_per_iteration(
+    iterations: Sequence[IterationStats], *, warmup: int, at_least: int = 2
+) -> float | None:
+    """Least-squares slope of allocated bytes (per iteration) over the complete iterations
+    after the first ``warmup``; ``None`` when fewer than ``at_least`` remain."""
+    its = complete(iterations, skip=warmup)
+    if len(its) < max(at_least, 2):
+        return None
+    return statistics.linear_regression(
+        [float(it.index) for it in its], [float(it.allocated) for it in its]
+    ).slope

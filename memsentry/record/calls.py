@@ -1,0 +1,39 @@
+"""The calls running while a loop runs: module forwards on the stack and module backwards,
+whose peaks the sampler raises as it reads memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memsentry.record.layers import LayerRecord
+
+
+class BackwardCall:
+    """The backward of one module call: opened when the gradient of its output is complete,
+    closed when the gradients of its inputs are (or when the backward pass ends)."""
+
+    __slots__ = ("handles", "input_nodes", "peak", "record", "start", "state")
+
+    WAITING, RUNNING, DONE = 0, 1, 2
+
+    def __init__(self, record: LayerRecord) -> None:
+        self.record = record
+        self.state = BackwardCall.WAITING
+        self.start = 0
+        self.peak = 0
+        self.handles: list[Any] = []
+        self.input_nodes: set[int] = set()
+
+
+@dataclass(eq=False)
+class ForwardCall:
+    """One module call whose forward is running: memory at its start, the highest seen since,
+    and the storages saved for backward inside it (pointer -> bytes)."""
+
+    record: LayerRecord
+    start: int
+    peak: int
+    saved: dict[int, int] = field(default_factory=dict)
+    saved_bytes: int = 0
+    backward: BackwardCall | None = None

@@ -1,0 +1,122 @@
+"""Module forwards: the stack of running calls, and the bytes each saves for backward.
+
+Forward pre/post hooks sample the backend around each module call and fold the figures into
+the module's :class:`~memsentry.record.layers.LayerRecord`. A saved-tensor hook attributes the
+storage of each tensor saved for backward to the module running at the time (parameters and
+buffers left out: they are not new memory), and packs a detached alias with the tensor's
+version, so that autograd's in-place check, which PyTorch skips under saved-tensor hooks, is
+repeated at unpack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsentry.record.backward import BackwardTimer, tensors_in
+from memsentry.record.calls import ForwardCall
+from memsentry.record.layers import LayerRegistry, storage_bytes
+from memsentry.record.roots import RootCalls
+from memsentry.record.sampler import Sampler
+from memsentry.record.timeline import IterationClock
+
+
+class SavedTensorVersionError(RuntimeError):
+    """A tensor saved for backward was modified in place before the backward used it."""
+
+
+def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Return the saved tensor, repeating autograd's in-place check (skipped under hooks)."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise SavedTensorVersionError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {version} instead. (PyTorch skips this check "
+            "while saved-tensor hooks are active; memsentry repeats it.)"
+        )
+    return tensor
+
+
+class ForwardRecorder:
+    """The forward hooks and the saved-tensor pack hook of one recorder.
+
+    ``start_backend(module, args)`` is called at the first module call when no backend was
+    started yet (the device is then chosen from that call). ``saved`` says whether bytes
+    saved for backward are attributed; ``backward`` whether each layer's backward is timed.
+    """
+
+    def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
+                 stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
+                 saved: bool, start_backend: Callable[[nn.Module, Any], None]) -> None:
+        self.active = False
+        self.stack = stack
+        self._registry = registry
+        self._sampler = sampler
+        self._clock = clock
+        self._backward = backward
+        self._roots = roots
+        self._saved = saved
+        self._start_backend = start_backend
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self.active:
+            return
+        if self._sampler.backend is None:
+            self._start_backend(module, args)
+        parent = self.stack[-1].record if self.stack else None
+        record = self._registry.record_for(module, parent)
+        if parent is not None:
+            parent.is_leaf = False
+        allocated = self._sampler.sample()
+        self._clock.module_called(args, outermost=parent is None)
+        call = ForwardCall(record, allocated, allocated)
+        self.stack.append(call)
+        if self._backward is not None and torch.is_grad_enabled():
+            call.backward = self._backward.watch_inputs(record, args)
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.active or not self.stack:
+            return
+        allocated = self._sampler.sample()
+        call = self.stack.pop()
+        record = self._registry.record_for(module, None)
+        while call.record is not record and self.stack:  # a child whose post hook never ran
+            call = self.stack.pop()
+        outputs = tensors_in(output)
+        record.add_forward(
+            delta=allocated - call.start,
+            peak=call.peak - call.start,
+            output=storage_bytes(outputs),
+            saved=call.saved_bytes if self._saved else None,
+        )
+        if self.stack:
+            parent = self.stack[-1]
+            if call.peak > parent.peak:
+                parent.peak = call.peak
+            for key, size in call.saved.items():
+                if key not in parent.saved:
+                    parent.saved[key] = size
+                    parent.saved_bytes += size
+        grad = torch.is_grad_enabled()
+        if not self.stack and grad:
+            self._roots.watch(record.name, not module.training,
+                              call.saved_bytes if self._saved else None, outputs)
+        if call.backward is not None and grad and self._backward is not None:
+            self._backward.watch_outputs(call.backward, outputs)
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self.active and self._sampler.backend is not None:
+            if self._sampler.in_ops:
+                self._sampler.sample()
+            if self.stack:  # parameters and buffers saved by an op are not new memory
+                call = self.stack[-1]
+                call.saved_bytes += storage_bytes(
+                    [tensor], call.saved, skip=self._registry.static_storages
+                )
+        # A detached alias: saving the tensor itself would make a saved output reference its
+        # own grad_fn (a cycle only the garbage collector frees).
+        return tensor.detach(), tensor._version

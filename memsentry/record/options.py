@@ -1,0 +1,60 @@
+"""The options of one tracking run, checked before anything is hooked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+
+from memsentry.measure import parse_device
+
+OnLeak = Literal["warn", "raise", "ignore"]
+ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to record and what to do with leaks; see :class:`memsentry.Tracker` for each."""
+
+    device: torch.device | None = None
+    exact: bool = False
+    saved_tensors: bool = True
+    backward: bool = True
+    max_iterations: int = 10_000
+    on_leak: OnLeak = "warn"
+    holders: bool = True
+    holder_budget: float = 0.5
+
+    @classmethod
+    def checked(cls, *, device: torch.device | str | int | None, exact: object,
+                saved_tensors: object, backward: object, max_iterations: object,
+                on_leak: object, holders: object, holder_budget: object) -> Options:
+        """Options from ``track()``'s arguments; a bad one raises an error naming it and what
+        it accepts."""
+        flags = {"exact": exact, "saved_tensors": saved_tensors, "backward": backward,
+                 "holders": holders}
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"track({name}=...) takes True or False, got {flag!r}")
+        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) \
+                or max_iterations < 2:
+            raise ValueError(
+                f"track(max_iterations=...) must be an int of at least 2, got {max_iterations!r}"
+            )
+        if isinstance(holder_budget, bool) or not isinstance(holder_budget, int | float) \
+                or not holder_budget > 0:
+            raise ValueError(
+                "track(holder_budget=...) is the seconds one holder search may take, a number "
+                f"above 0 (default 0.5), got {holder_budget!r}"
+            )
+        if on_leak not in ON_LEAK:
+            raise ValueError(
+                f"track(on_leak={on_leak!r}): use one of {', '.join(map(repr, ON_LEAK))}"
+            )
+        return cls(
+            device=parse_device(device) if device is not None else None,
+            exact=bool(exact), saved_tensors=bool(saved_tensors), backward=bool(backward),
+            max_iterations=max_iterations, on_leak=cast(OnLeak, on_leak),
+            holders=bool(holders), holder_budget=float(holder_budget),
+        )

@@ -1,0 +1,258 @@
+"""The recorder: wires the hooks, the sampler, the clock and the censuses of one tracking run,
+and freezes what they recorded into a :class:`~memsentry.model.ReportData` (no findings: the
+rules run a layer above).
+
+Nothing here keeps a module or a tensor alive, and nothing changes what the model computes.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from memsentry.measure import device_of_module, make_backend, nvml_query, parse_device
+from memsentry.model import Boundary, ReportData
+from memsentry.record.backward import BackwardTimer, tensors_in
+from memsentry.record.calls import BackwardCall, ForwardCall
+from memsentry.record.forward import ForwardRecorder, unpack
+from memsentry.record.layers import LayerRegistry
+from memsentry.record.options import Options
+from memsentry.record.roots import RootCalls
+from memsentry.record.sampler import Sampler
+from memsentry.record.schedule import CensusSchedule, census_due
+from memsentry.record.timeline import IterationClock, Timeline
+
+Counters = tuple[dict[str, Any] | None, dict[str, Any] | None]
+
+
+class Recorder:
+    """Records memory per layer and per iteration between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, model: nn.Module | None, options: Options) -> None:
+        self.options = options
+        self.device = options.device
+        if self.device is None and model is not None:
+            self.device = device_of_module(model)
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._registry = LayerRegistry()
+        self._timeline = Timeline(capacity=options.max_iterations)
+        self._clock = IterationClock()
+        self._stack: list[ForwardCall] = []
+        running: dict[int, BackwardCall] = {}
+        self._sampler = Sampler(self._stack, running, self._clock)
+        self._backward = BackwardTimer(self._sampler, running) if options.backward else None
+        self._roots = RootCalls()
+        self._forward = ForwardRecorder(
+            registry=self._registry, sampler=self._sampler, clock=self._clock,
+            stack=self._stack, backward=self._backward, roots=self._roots,
+            saved=options.saved_tensors, start_backend=self._start_lazily,
+        )
+        self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
+        self._handles: list[Any] = []
+        self._saved_hooks: saved_tensors_hooks | None = None
+        self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._manual_steps = False
+        self._overall_peak = 0
+        self._final: tuple[int, int | None, Counters] | None = None
+        self.active = False
+
+    # -- start and stop --------------------------------------------------------------------
+    def start(self) -> None:
+        """Install the hooks; on failure, remove what was installed and raise."""
+        self._set_active(True)
+        self._clock.started = time.perf_counter()
+        try:
+            if self.device is None and not torch.cuda.is_available():
+                self.device = torch.device("cpu")
+            if self.device is not None:
+                self._start_backend(self.device)
+            self._install_hooks()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _install_hooks(self) -> None:
+        forward = self._forward
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            self._registry.name_tree(model)
+            for module in model.modules():
+                self._handles.append(module.register_forward_pre_hook(forward.pre_forward))
+                self._handles.append(
+                    module.register_forward_hook(forward.post_forward, always_call=True)
+                )
+        else:
+            self._handles.append(register_module_forward_pre_hook(forward.pre_forward))
+            self._handles.append(
+                register_module_forward_hook(forward.post_forward, always_call=True)
+            )
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        if self.options.holders:
+            gc.callbacks.append(self._censuses.gc_event)
+        if self.options.saved_tensors:
+            self._saved_hooks = saved_tensors_hooks(forward.pack, unpack)
+            self._saved_hooks.__enter__()
+
+    def stop(self) -> None:
+        """Close the partial iteration, remove every hook and forget every module."""
+        if not self.active:
+            return
+        try:
+            if self._sampler.backend is not None and (
+                self._clock.calls or not self._timeline.items
+            ):
+                self._close_iteration(Boundary.EXIT)
+        finally:
+            self._teardown()
+
+    def _set_active(self, active: bool) -> None:
+        self.active = self._forward.active = self._censuses.active = active
+        if self._backward is not None:
+            self._backward.active = active
+
+    def _teardown(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._censuses.gc_event in gc.callbacks:
+            gc.callbacks.remove(self._censuses.gc_event)
+        self._roots.settle()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        backend = self._sampler.backend
+        if backend is not None:
+            if self.active:
+                self._final = (backend.allocated(), backend.reserved(), self._counters())
+            backend.stop()
+        self._set_active(False)
+        self._stack.clear()
+        if self._backward is not None:
+            self._backward.close()
+        self._registry.clear_modules()
+        self._primary_optimizer = None
+        self._model_ref = None
+
+    def _start_backend(self, device: torch.device) -> None:
+        self.device = device
+        self._sampler.start(make_backend(device, exact=self.options.exact))
+        self._overall_peak = self._sampler.baseline
+
+    def _start_lazily(self, module: nn.Module, args: Any) -> None:
+        """Tracking without a device on a CUDA machine: pick the device at the first module
+        call, so memsentry never initialises CUDA in a script that does not use it."""
+        device = device_of_module(module)
+        if device is None:
+            tensors = tensors_in(args)
+            device = parse_device(tensors[0].device) if tensors else torch.device("cpu")
+        self._start_backend(device)
+
+    # -- iterations ------------------------------------------------------------------------
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.active or self._manual_steps:
+            return
+        if self._primary_optimizer is None or self._primary_optimizer() is None:
+            self._primary_optimizer = weakref.ref(optimizer)
+        elif self._primary_optimizer() is not optimizer:
+            return  # a second optimizer (GAN, multi-task) steps inside the same iteration
+        if self._sampler.backend is not None:
+            self._close_iteration(Boundary.OPTIMIZER)
+
+    def step(self) -> None:
+        """Close an iteration here; from the first call on, optimizer steps no longer do."""
+        first_manual = not self._manual_steps
+        self._manual_steps = True
+        if self._sampler.backend is None:
+            self._start_backend(self.device or torch.device("cpu"))
+        if first_manual and self._clock.last_boundary == Boundary.OPTIMIZER \
+                and self._clock.calls == 0:
+            # The optimizer already closed this iteration just before; relabel, do not split.
+            self._timeline.relabel_last(Boundary.STEP)
+            self._clock.last_boundary = Boundary.STEP
+            return
+        self._close_iteration(Boundary.STEP)
+
+    def _close_iteration(self, boundary: Boundary) -> None:
+        sampler = self._sampler
+        assert sampler.backend is not None
+        now = time.perf_counter()
+        allocated = sampler.sample(boundary=True)
+        self._timeline.add(
+            self._clock.close(boundary, allocated, sampler.backend.reserved(), sampler.peak, now)
+        )
+        self._overall_peak = max(self._overall_peak, sampler.peak)
+        if self._backward is not None:
+            self._backward.drop_hooks()
+        self._roots.settle()
+        if self.options.holders and boundary != Boundary.EXIT \
+                and census_due(self._clock.index):
+            model = self._model_ref() if self._model_ref is not None else None
+            own = {handle.id for handle in self._handles if hasattr(handle, "id")}
+            self._censuses.take(self._clock.index, model=model, own_hooks=own,
+                                skip={id(self)})
+            now = time.perf_counter()  # the census's own time is not the loop's
+            allocated = sampler.sample(boundary=True)
+        self._clock.advance(boundary, now)
+        sampler.peak = allocated
+
+    # -- results ---------------------------------------------------------------------------
+    def _counters(self) -> Counters:
+        """The backend's raw counters and, on CUDA, NVML's view of the device."""
+        backend = self._sampler.backend
+        assert backend is not None
+        nvml = None
+        if backend.device.type == "cuda":
+            nvml = asdict(nvml_query(backend.device.index or 0))
+        return backend.stats(), nvml
+
+    def recording(self) -> ReportData:
+        """What was recorded so far (also while recording), frozen, without findings."""
+        backend = self._sampler.backend
+        if backend is None:
+            return ReportData(
+                device=str(self.device) if self.device is not None else "unknown",
+                backend="none",
+                baseline=0,
+                notes=("No module ran and no iteration ended while tracking: nothing measured.",),
+                torch_version=torch.__version__,
+            )
+        if self.active or self._final is None:
+            allocated = self._sampler.sample(boundary=True)
+            reserved, counters = backend.reserved(), self._counters()
+        else:  # read at the end of recording
+            allocated, reserved, counters = self._final
+        notes = [*backend.notes, *self._censuses.errors]
+        if self._sampler.coarse_note:
+            notes.append(self._sampler.coarse_note)
+        notes += self._censuses.budget_notes()
+        return ReportData(
+            device=str(backend.device),
+            backend=backend.name,
+            baseline=self._sampler.baseline,
+            layers=self._registry.freeze(),
+            iterations=tuple(self._timeline.items),
+            peak=max(self._overall_peak, self._sampler.peak),
+            allocated=allocated,
+            reserved=reserved,
+            total_memory=backend.total_memory(),
+            peak_mode=backend.peak_mode,
+            notes=tuple(notes),
+            dropped_iterations=self._timeline.dropped,
+            torch_version=torch.__version__,
+            allocator_stats=counters[0],
+            nvml=counters[1],
+            censuses=tuple(self._censuses.censuses),
+            unused_graphs=self._roots.unused(),
+        )

@@ -1,0 +1,96 @@
+"""When censuses are taken, and taking them: after warm-up, then at doubling gaps, each
+within a time budget; what the interpreter's own full collections free is measured between."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from memsentry.census import garbage_census, take_census
+from memsentry.model import Census
+from memsentry.record.layers import LayerRegistry
+from memsentry.record.sampler import Sampler
+
+#: The first census comes after the warm-up iterations the rules leave out.
+FIRST_CENSUS = 2
+
+
+def census_due(index: int) -> bool:
+    """Censuses at iterations 2, 3, 4 (three points decide a trend within five iterations),
+    then 6, 10, 18, 34, ...: doubling gaps, so a long run pays for a handful."""
+    if FIRST_CENSUS <= index <= FIRST_CENSUS + 2:
+        return True
+    gap = index - FIRST_CENSUS
+    return gap >= 4 and gap & (gap - 1) == 0
+
+
+class CensusSchedule:
+    """The censuses of one recorder, and what the automatic full collections freed between
+    them. Its memory and what its own collections free are kept out of the sampler's figures
+    (``sampler.own``)."""
+
+    def __init__(self, sampler: Sampler, registry: LayerRegistry, budget: float) -> None:
+        self.active = False
+        self.censuses: list[Census] = []
+        self.errors: list[str] = []
+        self.budget = budget
+        self._sampler = sampler
+        self._registry = registry
+        self._cycles_seen = False  # then every census collects all generations
+        self._full_collections = 0
+        self._full_freed = 0
+        self._full_start = 0
+
+    def gc_event(self, phase: str, info: dict[str, Any]) -> None:
+        """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
+        backend = self._sampler.backend
+        if info.get("generation") != 2 or backend is None or not self.active:
+            return
+        if phase == "start":
+            self._full_start = backend.allocated()
+        else:
+            self._full_collections += 1
+            self._full_freed += max(0, self._full_start - backend.allocated())
+
+    def take(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
+             skip: set[int]) -> None:
+        """One census now; a failure becomes a note, never the user's exception."""
+        backend = self._sampler.backend
+        assert backend is not None
+        collections, freed = self._full_collections, self._full_freed
+        self._full_collections = self._full_freed = 0
+        before = backend.allocated()
+        try:
+            garbage = garbage_census(backend.allocated, collections, freed,
+                                     everything=self._cycles_seen)
+            self._cycles_seen = self._cycles_seen or garbage.tensors > 0
+            census = take_census(
+                iteration,
+                frame=sys._getframe(1),
+                model=model,
+                modules=self._registry.modules(),
+                static=self._registry.static_storages,
+                own_hooks=own_hooks,
+                skip=skip,
+                budget=self.budget,
+                garbage=garbage,
+            )
+        except Exception as exc:  # the user's loop must go on whatever the search meets
+            self.errors.append(
+                f"The holder search at iteration {iteration} failed "
+                f"({type(exc).__name__}: {exc}); please report this to memsentry."
+            )
+            return
+        self.censuses.append(census)
+        self._sampler.own += backend.allocated() - before
+
+    def budget_notes(self) -> list[str]:
+        """Searches that stopped at their budget."""
+        return [
+            f"The holder search at iteration {c.iteration} stopped at its "
+            f"{self.budget:g} s budget after {c.objects:,} objects; holders beyond "
+            "them were not examined (raise track(holder_budget=...))."
+            for c in self.censuses if not c.complete
+        ]

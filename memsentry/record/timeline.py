@@ -1,0 +1,83 @@
+"""The iteration clock and the bounded timeline of closed iterations."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from memsentry.model import Boundary, IterationStats
+
+
+def batch_size(args: Any) -> int | None:
+    """The first dimension of the first tensor among a call's arguments."""
+    for value in args if isinstance(args, tuple) else (args,):
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else None
+    return None
+
+
+class IterationClock:
+    """The running iteration: its index, when it began, its module calls, the wait before its
+    first call (data loading) and its batch size."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.started = time.perf_counter()
+        self.calls = 0
+        self.data_seconds: float | None = None
+        self.batch: int | None = None
+        self.last_boundary: Boundary | None = None
+
+    def module_called(self, args: Any, *, outermost: bool) -> None:
+        if not self.calls:
+            self.data_seconds = time.perf_counter() - self.started
+        if outermost and self.batch is None:
+            self.batch = batch_size(args)
+        self.calls += 1
+
+    def close(self, boundary: Boundary, allocated: int, reserved: int | None, peak: int,
+              now: float) -> IterationStats:
+        """The record of the iteration ending now."""
+        return IterationStats(
+            index=self.index, allocated=allocated, reserved=reserved, peak=peak,
+            seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
+            data_seconds=self.data_seconds, batch=self.batch,
+        )
+
+    def advance(self, boundary: Boundary, now: float) -> None:
+        """Begin the next iteration at ``now`` (after what the boundary's own work took)."""
+        self.index += 1
+        self.started = now
+        self.calls = 0
+        self.data_seconds = self.batch = None
+        self.last_boundary = boundary
+
+
+@dataclass
+class Timeline:
+    """Per-iteration records, bounded: past ``capacity`` every other record is dropped, and
+    from then on only every ``stride``-th iteration is kept, so a long run costs fixed memory."""
+
+    capacity: int = 10_000
+    items: list[IterationStats] = field(default_factory=list)
+    stride: int = 1
+    dropped: int = 0
+
+    def add(self, item: IterationStats) -> None:
+        if item.index % self.stride and item.boundary != Boundary.EXIT:  # the end is kept
+            self.dropped += 1
+            return
+        self.items.append(item)
+        if len(self.items) > self.capacity:
+            self.stride *= 2
+            kept = [it for it in self.items if it.index % self.stride == 0]
+            self.dropped += len(self.items) - len(kept)
+            self.items = kept
+
+    def relabel_last(self, boundary: Boundary) -> None:
+        """Change what closed the newest iteration (an explicit ``t.step()`` took over)."""
+        if self.items:
+            self.items[-1] = replace(self.items[-1], boundary=boundary)

@@ -1,0 +1,53 @@
+"""``memory-headroom``: CUDA memory left unused by the peak, and the batch that would fit."""
+
+from __future__ import annotations
+
+import collections
+
+from memsentry.model import Finding, ReportData, Severity
+from memsentry.rules.device import device_subject, is_cuda
+from memsentry.rules.registry import rule
+from memsentry.rules.series import after_warmup
+from memsentry.units import format_bytes
+
+HEADROOM = "memory-headroom"
+
+#: The peak uses less than this share of the device: worth saying.
+HEADROOM_SHARE = 0.5
+#: The share of the device a suggested batch may fill.
+TARGET_SHARE = 0.85
+
+@rule(HEADROOM, severities={Severity.HINT}, devices={"cuda"})
+def memory_headroom(report: ReportData) -> list[Finding]:
+    """CUDA: the peak uses a small part of the device; from the activation memory per sample,
+    estimate the batch that would fit."""
+    its = after_warmup(report)
+    total = report.total_memory
+    if not is_cuda(report) or not total or len(its) < 2:
+        return []
+    peak = max(it.peak for it in its)
+    if peak >= HEADROOM_SHARE * total:
+        return []
+    resident = min(it.allocated for it in its)
+    batches = collections.Counter(it.batch for it in its if it.batch)
+    message = (
+        f"the peak, {format_bytes(peak)}, uses {peak / total:.0%} of {report.device}'s "
+        f"{format_bytes(total)}"
+    )
+    activations = peak - resident
+    if batches and activations > 0:
+        batch = batches.most_common(1)[0][0]
+        per_sample = activations / batch
+        fits = int((TARGET_SHARE * total - resident) / per_sample)
+        message += (
+            f"; with {format_bytes(resident)} resident and {format_bytes(round(per_sample))} "
+            f"of activations per sample (batch {batch}), a batch of about {fits:,} would fit "
+            f"in {TARGET_SHARE:.0%} of it"
+        )
+    fix = (
+        "raise the batch size (and scale the learning rate), train a larger model, or share "
+        "the GPU between jobs (MPS, MIG); turn off memory savers you do not need "
+        "(activation checkpointing, CPU offload)"
+    )
+    return [Finding(rule=HEADROOM, severity=Severity.HINT, message=message, fix=fix,
+                    bytes=total - peak, subject=device_subject(report))]

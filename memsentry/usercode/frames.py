@@ -1,0 +1,136 @@
+"""Which frames, modules and classes belong to the user's code, and the user's line on the stack.
+
+Machinery is torch, memsentry, test runners, notebook shells and the standard library; the
+user's code is everything else (a script, a notebook cell, the user's own package).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import sysconfig
+import types
+import weakref
+from typing import Any
+
+from memsentry.usercode.lines import short_path
+from memsentry.usercode.location import Location
+
+#: Packages whose frames and objects are machinery, not the user's training code.
+MACHINERY = frozenset(
+    {"torch", "memsentry", "pytest_memsentry", "_pytest", "pytest", "pluggy", "IPython",
+     "ipykernel", "traitlets", "tornado", "asyncio", "runpy", "importlib", "contextlib",
+     "functools", "threading", "unittest", "typing", "abc", "collections", "numpy", "xdist",
+     "execnet", "coverage", "debugpy", "pydevd"}
+)
+_STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
+
+_SOURCE_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
+_MODULE_KINDS: dict[tuple[str, int], bool] = {}
+
+
+def root_package(name: str | None) -> str:
+    """``torch`` for ``torch.nn.modules``."""
+    return (name or "").partition(".")[0]
+
+
+def is_stdlib(path: str | None) -> bool:
+    return path is not None and path.startswith(_STDLIB) and "-packages" not in path
+
+
+def is_machinery_frame(frame: types.FrameType) -> bool:
+    """Frames of torch, memsentry, pytest, the standard library and notebook shells."""
+    if root_package(frame.f_globals.get("__name__")) in MACHINERY:
+        return True
+    filename = frame.f_code.co_filename
+    return filename.startswith("<frozen") or is_stdlib(filename)
+
+
+def is_user_class(cls: type) -> bool:
+    """A class defined in the user's code (not a library's, not a builtin)."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or root_package(cls.__module__) in MACHINERY | {"builtins"}:
+        return False
+    return not is_stdlib(getattr(module, "__file__", None))
+
+
+def source_file(cls: type) -> str | None:
+    """Where ``cls`` is defined (cached: ``inspect`` is slow)."""
+    try:
+        return _SOURCE_FILES[cls]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable
+        return None
+    try:
+        path = inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        path = None
+    _SOURCE_FILES[cls] = path
+    return path
+
+
+def user_site() -> Location | None:
+    """The line (and function) of the innermost frame of the user's code on the stack, or
+    ``None`` when there is none."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return Location(short_path(code.co_filename), frame.f_lineno or 0, code.co_name)
+
+
+def user_frames(start: types.FrameType | None) -> list[types.FrameType]:
+    """The user's frames on the stack, innermost first."""
+    frames = []
+    frame = start
+    while frame is not None:
+        if not is_machinery_frame(frame):
+            frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def running_frames(frame: types.FrameType | None) -> set[int]:
+    """The ids of ``frame`` and every frame below it on the stack."""
+    running = set()
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
+
+
+def frame_locals(frame: types.FrameType) -> dict[str, Any]:
+    """A copy of a frame's locals (call :func:`release_locals` when done with the frame)."""
+    return dict(frame.f_locals)
+
+
+def release_locals(frame: types.FrameType) -> None:
+    """Before Python 3.13 reading ``f_locals`` leaves a snapshot dict on a function frame that
+    keeps every local's value alive after the code rebinds it; empty it again. The interpreter
+    refreshes it whenever someone reads it (debuggers, ``locals()``); the one visible effect is
+    on a dict that the function got from ``locals()`` earlier and still reads without calling
+    ``locals()`` again: it is that same dict, and it is empty after a census."""
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        snapshot = frame.f_locals
+        if snapshot is not frame.f_globals:
+            snapshot.clear()
+
+
+def user_modules() -> list[types.ModuleType]:
+    """Modules of the user's own code: not the standard library, not installed packages."""
+    modules = []
+    for name, module in list(sys.modules.items()):
+        key = (name, id(module))
+        user = _MODULE_KINDS.get(key)
+        if user is None:
+            path = getattr(module, "__file__", None)
+            user = _MODULE_KINDS[key] = bool(
+                isinstance(path, str) and root_package(name) not in MACHINERY
+                and not is_stdlib(path) and "-packages" not in path
+            )
+        if user:
+            modules.append(module)
+    return modules
