@@ -196,9 +196,9 @@ class Manager:
             reason = ("the test xpassed (an expected failure)" if xpassed else
                       "the test failed, and its traceback keeps its frames (and their "
                       "tensors) alive")
-            note = not_judged(measurement, limits, reason)
-            if note is not None:
-                target.sections.append((NAME, note))
+            detail = not_judged(measurement, limits, reason)
+            if detail is not None:
+                target.sections.append((NAME, detail))
         target.user_properties.append((NAME, measurement.figures(verdict)))
 
     @pytest.hookimpl(hookwrapper=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from scenarios import SCENARIOS, STEPS, Scenario
+from test_registry import documented_rule_ids
 
 import memsentry
 from memsentry.rules.growth import WARMUP
@@ -38,6 +39,9 @@ def test_pattern_is_reported_with_its_rule_severity_and_holder(scenario: Scenari
     )
     finding = found[0]
     assert finding.fix
+    # Every finding names what it is about, and every rule id is registered and documented.
+    assert all(f.subject is not None for f in report.findings)
+    assert {f.rule for f in report.findings} <= set(memsentry.RULES) & set(documented_rule_ids())
     # A growth whose cause is named is reported once, under the cause.
     if scenario.severity is LEAK:
         assert "memory-growth" not in [f.rule for f in report.findings]

@@ -119,8 +119,8 @@ def take_census(
     if model is not None:
         name = type(model).__name__
         walk.add_root(model, _root(name), HolderKind.MODEL, None, SourceHint(name))
-    for _name, module in modules:
-        walk.add_class(type(module))
+    for _name, called in modules:
+        walk.add_class(type(called))
     walk.run()
     holders = _freeze_holders(walk)
     holders += _gradient_holders(walk, modules)

@@ -119,6 +119,40 @@ def _traceback_locals(tb: types.TracebackType | None, live: set[int]
         tb = tb.tb_next
 
 
+def _attributes(obj: Any) -> Iterator[tuple[Step, Any, bool]]:
+    """An object's instance attributes, from its ``__dict__`` and its slots."""
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict):
+        for name, value in list(attributes.items()):
+            yield Step(StepKind.ATTRIBUTE, name), value, False
+    for name in getattr(type(obj), "__slots__", ()):
+        if isinstance(name, str) and hasattr(obj, name):
+            yield Step(StepKind.ATTRIBUTE, name), getattr(obj, name), False
+
+
+def _module_attributes(module: nn.Module) -> Iterator[tuple[Step, Any, bool]]:
+    """A module's submodules and its own attributes (not nn.Module's bookkeeping)."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield Step(StepKind.ATTRIBUTE, name), child, False
+    for name, value in list(vars(module).items()):
+        if name not in _MODULE_INTERNALS:
+            yield Step(StepKind.ATTRIBUTE, name), value, False
+
+
+def _items(obj: Any) -> Iterator[tuple[Step, Any, bool]]:
+    """A container's items: string keys extend the path, the rest are positional."""
+    if isinstance(obj, dict):
+        for key, value in list(obj.items()):
+            yield Step(StepKind.KEY, repr(key)), value, not isinstance(key, str)
+    elif isinstance(obj, set | frozenset):
+        for value in list(obj):
+            yield Step(StepKind.MEMBER, ""), value, True
+    else:
+        for index, value in enumerate(list(obj)):
+            yield Step(StepKind.INDEX, str(index)), value, True
+
+
 def children(obj: Any, live: set[int]) -> Iterator[tuple[Step, Any, bool]]:
     """(step, child, positional) for what ``obj`` holds; positional steps (sequence indices,
     set members, non-string keys, a traceback's frame locals) belong to the holder above."""
@@ -127,30 +161,12 @@ def children(obj: Any, live: set[int]) -> Iterator[tuple[Step, Any, bool]]:
         return
     if isinstance(obj, BaseException) and obj.__traceback__ is not None:
         yield Step(StepKind.ATTRIBUTE, "__traceback__"), obj.__traceback__, False
-    if isinstance(obj, dict):
-        for key, value in list(obj.items()):
-            yield Step(StepKind.KEY, repr(key)), value, not isinstance(key, str)
-    elif isinstance(obj, list | tuple | collections.deque):
-        for index, value in enumerate(list(obj)):
-            yield Step(StepKind.INDEX, str(index)), value, True
-    elif isinstance(obj, set | frozenset):
-        for value in list(obj):
-            yield Step(StepKind.MEMBER, ""), value, True
+    if isinstance(obj, _CONTAINERS):
+        yield from _items(obj)
     elif isinstance(obj, nn.Module):
-        for name, child in obj._modules.items():
-            if child is not None:
-                yield Step(StepKind.ATTRIBUTE, name), child, False
-        for name, value in list(vars(obj).items()):
-            if name not in _MODULE_INTERNALS:
-                yield Step(StepKind.ATTRIBUTE, name), value, False
+        yield from _module_attributes(obj)
     else:
-        attributes = getattr(obj, "__dict__", None)
-        if isinstance(attributes, dict):
-            for name, value in list(attributes.items()):
-                yield Step(StepKind.ATTRIBUTE, name), value, False
-        for name in getattr(type(obj), "__slots__", ()):
-            if isinstance(name, str) and hasattr(obj, name):
-                yield Step(StepKind.ATTRIBUTE, name), getattr(obj, name), False
+        yield from _attributes(obj)
 
 
 class Walk:

@@ -75,10 +75,10 @@ def device_of_module(module: torch.nn.Module) -> torch.device | None:
 
     A model spread over several devices is measured on the device of its first parameter.
     """
-    for tensor in module.parameters():
-        return _checked_tensor_device(tensor, module)
-    for tensor in module.buffers():
-        return _checked_tensor_device(tensor, module)
+    for parameter in module.parameters():
+        return _checked_tensor_device(parameter, module)
+    for buffer in module.buffers():
+        return _checked_tensor_device(buffer, module)
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ def _error_text(exc: BaseException) -> str:
     return text.decode() if isinstance(text, bytes) else text
 
 
-def _handle_for(pynvml, index: int):
+def _handle_for(pynvml: Any, index: int) -> Any:
     """NVML handle of torch's CUDA device ``index``, found by PCI bus id so that
     ``CUDA_VISIBLE_DEVICES`` renumbering is respected."""
     if torch.cuda.is_available() and index < torch.cuda.device_count():
@@ -92,7 +93,7 @@ def query(index: int = 0) -> NvmlInfo:
             pass
 
 
-def _process_memory(pynvml, handle) -> int | None:
+def _process_memory(pynvml: Any, handle: Any) -> int | None:
     """Device memory NVML attributes to this process, or ``None`` when it will not say."""
     pid = os.getpid()
     for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):

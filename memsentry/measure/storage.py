@@ -49,7 +49,8 @@ class StorageCounter(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         # Views and in-place results share an input's storage: not new memory, and when the
         # input predates tracking it belongs to the baseline.

@@ -57,7 +57,7 @@ def from_plain(kind: Any, data: Any) -> Any:
 
 def build(cls: type[T], data: dict[str, Any]) -> T:
     """An instance of the dataclass ``cls`` from a dict, each field rebuilt as its type."""
-    hints = _hints(cls)
+    hints = _hints(cls)  # type: ignore[arg-type]
     values = {
         f.name: from_plain(hints[f.name], data[f.name])
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 
@@ -55,6 +55,6 @@ class Options:
         return cls(
             device=parse_device(device) if device is not None else None,
             exact=bool(exact), saved_tensors=bool(saved_tensors), backward=bool(backward),
-            max_iterations=max_iterations, on_leak=cast(OnLeak, on_leak),
+            max_iterations=max_iterations, on_leak=on_leak,
             holders=bool(holders), holder_budget=float(holder_budget),
         )

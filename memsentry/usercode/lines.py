@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+from collections.abc import Iterator
 
 #: Calls that grow a container in place.
 _GROWING_METHODS = frozenset(
@@ -120,7 +121,7 @@ def _growth_line(path: str, mtime: float | None, name: str, function_line: int |
     return line
 
 
-def _walk(node: ast.AST, function: str | None):
+def _walk(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | None]]:
     """Every node under ``node`` with the name of the function it is in."""
     for child in ast.iter_child_nodes(node):
         inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
