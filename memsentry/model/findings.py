@@ -42,10 +42,16 @@ class Finding:
 
     @property
     def where(self) -> str | None:
-        """For display: the line (``file:line``) when known, else the subject's name."""
+        """For display: the line (``file:line``) when known, else the name of the holder,
+        module or type the finding is about (``None`` for a device or the loop)."""
         if self.location is not None:
             return str(self.location)
-        return self.subject.name if self.subject is not None else None
+        if self.subject is not None and self.subject.kind in _NAMED:
+            return self.subject.name
+        return None
+
+
+_NAMED = frozenset({SubjectKind.HOLDER, SubjectKind.MODULE, SubjectKind.TYPE})
 
 
 __all__ = ["Finding", "Location", "Subject"]
