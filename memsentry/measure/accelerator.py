@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memsentry.measure.base import IntervalPeak
 from memsentry.model import PeakMode
 
 _ALLOCATED = "allocated_bytes.all.current"
@@ -43,7 +44,6 @@ class AcceleratorBackend:
         index = device.index if device.index is not None else api.current_device_index()
         self.device = torch.device(device.type, index)
         self._index = index
-        self._exact = exact
         self.name = f"{device.type}-accelerator"
         self.peak_mode = PeakMode.EXACT if exact else PeakMode.SAMPLED
         self.notes: tuple[str, ...] = (
@@ -51,14 +51,15 @@ class AcceleratorBackend:
             + ("its peak counter was reset at every hook (exact peaks)." if exact
                else "its peak counter was read, never reset."),
         )
-        self._last_peak = int(self._stats().get(_PEAK, 0))
+        self._peak = IntervalPeak(int(self._stats().get(_PEAK, 0)),
+                                  lambda: api.reset_peak_memory_stats(index), exact=exact)
 
     def _stats(self) -> dict[str, Any]:
         return dict(self._api.memory_stats(self._index))
 
     def sample(self) -> tuple[int, int | None]:
         stats = self._stats()
-        return int(stats.get(_ALLOCATED, 0)), self._interval_peak(int(stats.get(_PEAK, 0)))
+        return int(stats.get(_ALLOCATED, 0)), self._peak.read(int(stats.get(_PEAK, 0)))
 
     def allocated(self) -> int:
         return int(self._stats().get(_ALLOCATED, 0))
@@ -68,16 +69,7 @@ class AcceleratorBackend:
         return None if value is None else int(value)
 
     def peak_since_last_read(self) -> int | None:
-        return self._interval_peak(int(self._stats().get(_PEAK, 0)))
-
-    def _interval_peak(self, peak: int) -> int | None:
-        if self._exact:
-            self._api.reset_peak_memory_stats(self._index)
-            return peak
-        if peak > self._last_peak:
-            self._last_peak = peak
-            return peak
-        return None
+        return self._peak.read(int(self._stats().get(_PEAK, 0)))
 
     def total_memory(self) -> int | None:
         info = getattr(self._api, "get_memory_info", None)

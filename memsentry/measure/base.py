@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -44,3 +45,28 @@ class MemoryBackend(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+
+class IntervalPeak:
+    """The peak of an interval from a device's peak counter (CUDA, other accelerators).
+
+    By default the counter is never reset, so what the user reads from it stays theirs: an
+    interval's peak is known only when the counter rose during it (a new high), else
+    :meth:`read` returns ``None`` and the tracker's samples give a lower bound. With
+    ``exact``, ``reset`` is called after every read, so every interval's peak is exact.
+    """
+
+    def __init__(self, first: int, reset: Callable[[], None], *, exact: bool) -> None:
+        self._last = first
+        self._reset = reset
+        self._exact = exact
+
+    def read(self, peak: int) -> int | None:
+        """The interval's peak given the counter's value now, or ``None`` when unknown."""
+        if self._exact:
+            self._reset()
+            return peak
+        if peak > self._last:
+            self._last = peak
+            return peak
+        return None

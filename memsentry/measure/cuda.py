@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from memsentry.measure.base import IntervalPeak
 from memsentry.model import PeakMode
 
 
@@ -32,7 +33,6 @@ class CudaBackend:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self._index = index
-        self._exact = exact
         self.peak_mode = PeakMode.EXACT if exact else PeakMode.SAMPLED
         if exact:
             self.notes: tuple[str, ...] = (
@@ -46,7 +46,9 @@ class CudaBackend:
             )
         raw = getattr(torch._C, "_cuda_memoryStats", None)
         self._raw_stats = raw
-        self._last_peak = self._read()[2]
+        self._peak = IntervalPeak(
+            self._read()[2], lambda: torch.cuda.reset_peak_memory_stats(index), exact=exact
+        )
 
     def _read(self) -> tuple[int, int, int]:
         """(allocated, reserved, peak allocated) in one allocator call."""
@@ -65,7 +67,7 @@ class CudaBackend:
 
     def sample(self) -> tuple[int, int | None]:
         allocated, _, peak = self._read()
-        return allocated, self._interval_peak(peak)
+        return allocated, self._peak.read(peak)
 
     def allocated(self) -> int:
         if self._raw_stats is not None:
@@ -76,16 +78,7 @@ class CudaBackend:
         return torch.cuda.memory_reserved(self._index)
 
     def peak_since_last_read(self) -> int | None:
-        return self._interval_peak(self._read()[2])
-
-    def _interval_peak(self, peak: int) -> int | None:
-        if self._exact:
-            torch.cuda.reset_peak_memory_stats(self._index)
-            return peak
-        if peak > self._last_peak:
-            self._last_peak = peak
-            return peak
-        return None
+        return self._peak.read(self._read()[2])
 
     def total_memory(self) -> int | None:
         return int(torch.cuda.get_device_properties(self._index).total_memory)

@@ -1,0 +1,227 @@
+"""The device backends without the device: the CUDA backend against a fake of the caching
+allocator (512-byte block rounding, 2 MiB and 20 MiB segments kept after frees, a peak
+counter that only resets when asked), and the device-generic ``torch.accelerator`` backend
+against a fake accelerator."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import make_mlp
+
+import memsentry
+from memsentry.measure import AcceleratorBackend, CudaBackend, make_backend, parse_device
+from memsentry.measure.accelerator import accelerator_type
+from memsentry.measure.devices import supported_device_types
+
+MiB = 1 << 20
+
+
+class FakeAllocator:
+    """The counters of one device's caching allocator, as ``memory_stats()`` reports them."""
+
+    def __init__(self) -> None:
+        self.allocated = 4 * MiB
+        self.peak = self.allocated
+        self.reserved = 8 * MiB
+        self.resets = 0
+
+    def allocate(self, size: int) -> None:
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, -(-self.allocated // (2 * MiB)) * 2 * MiB)
+
+    def free(self, size: int) -> None:
+        self.allocated -= size
+
+    def api(self) -> dict[str, object]:
+        def memory_stats(index: int | None = None) -> dict[str, int]:
+            return {"allocated_bytes.all.current": self.allocated,
+                    "allocated_bytes.all.peak": self.peak,
+                    "reserved_bytes.all.current": self.reserved}
+
+        def reset_peak_memory_stats(index: int | None = None) -> None:
+            self.peak = self.allocated
+            self.resets += 1
+
+        return {
+            "current_accelerator": lambda: torch.device("xpu"),
+            "current_device_index": lambda: 0,
+            "memory_stats": memory_stats,
+            "reset_peak_memory_stats": reset_peak_memory_stats,
+            "get_memory_info": lambda index=None: (48 * 1024 * MiB, 64 * 1024 * MiB),
+        }
+
+
+@pytest.fixture
+def xpu(monkeypatch: pytest.MonkeyPatch) -> FakeAllocator:
+    fake = FakeAllocator()
+    for name, function in fake.api().items():  # torch.accelerator's functions, not the module
+        monkeypatch.setattr(torch.accelerator, name, function)
+    return fake
+
+
+def test_without_an_accelerator_only_cpu_and_cuda_are_measured() -> None:
+    assert accelerator_type() is None  # this CPU build has none
+    assert supported_device_types() == ("cpu", "cuda")
+    with pytest.raises(memsentry.UnsupportedDeviceError, match="'cpu', 'cuda' memory"):
+        parse_device("xpu")
+
+
+def test_the_process_accelerator_is_measured(xpu: FakeAllocator) -> None:
+    assert supported_device_types() == ("cpu", "cuda", "xpu")
+    backend = make_backend(parse_device("xpu"))
+    assert isinstance(backend, AcceleratorBackend)
+    assert (backend.name, str(backend.device)) == ("xpu-accelerator", "xpu:0")
+    assert backend.allocated() == 4 * MiB and backend.reserved() == 8 * MiB
+    assert backend.total_memory() == 64 * 1024 * MiB
+    xpu.allocate(6 * MiB)
+    xpu.free(6 * MiB)
+    # The peak counter rose in between: the sample reports it, without resetting it.
+    assert backend.sample() == (4 * MiB, 10 * MiB)
+    assert backend.sample() == (4 * MiB, None)
+    assert xpu.resets == 0 and backend.peak_mode == "sampled"
+
+
+def test_exact_mode_resets_the_accelerator_peak_counter(xpu: FakeAllocator) -> None:
+    backend = make_backend(torch.device("xpu", 0), exact=True)
+    xpu.allocate(2 * MiB)
+    xpu.free(2 * MiB)
+    assert backend.sample() == (4 * MiB, 6 * MiB)
+    assert backend.sample() == (4 * MiB, 4 * MiB)
+    assert xpu.resets == 2 and backend.peak_mode == "exact"
+    assert "reset at every hook" in backend.notes[0]
+
+
+def test_track_on_the_accelerator_follows_its_counters(xpu: FakeAllocator) -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, device="xpu", on_leak="ignore", holders=False) as t:
+        for _ in range(8):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            xpu.allocate(MiB)  # a leak of 1 MiB per iteration on the device
+    report = t.report()
+    assert (report.device, report.backend) == ("xpu:0", "xpu-accelerator")
+    assert report.baseline == 4 * MiB
+    assert [it.allocated - report.baseline for it in report.iterations] == [
+        i * MiB for i in range(8)
+    ]
+    (finding,) = report.findings
+    assert finding.rule == "memory-growth" and "1.0 MiB/iter on xpu:0" in finding.message
+    assert report.total_memory == 64 * 1024 * MiB
+
+
+class FakeCachingAllocator:
+    """CUDA's caching allocator in miniature: requests round up to 512 bytes; small ones
+    (up to 1 MiB) come from 2 MiB segments, larger ones from a 20 MiB segment (up to 10 MiB)
+    or their own segment rounded to 2 MiB; freed blocks stay cached (reserved); the peak
+    counter only resets when asked; a segment beyond the device raises OutOfMemoryError."""
+
+    def __init__(self, total: int = 80 * 1024 * MiB) -> None:
+        self.total = total
+        self.allocated = self.reserved = self.peak = 0
+        self.cached = {"small": 0, "large": 0}
+        self.resets = 0
+
+    def malloc(self, size: int) -> int:
+        size = -(-size // 512) * 512
+        pool = "small" if size <= MiB else "large"
+        if self.cached[pool] < size:
+            segment = 2 * MiB if pool == "small" else (
+                20 * MiB if size <= 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
+            if self.reserved + segment > self.total:
+                raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+            self.reserved += segment
+            self.cached[pool] += segment
+        self.cached[pool] -= size
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+        return size
+
+    def free(self, size: int) -> None:
+        self.allocated -= size
+        self.cached["small" if size <= MiB else "large"] += size
+
+    def nested(self, index: int) -> dict[str, dict[str, dict[str, int]]]:
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+                "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved}}}
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
+    fake = FakeCachingAllocator()
+
+    def reset(index: int | None = None) -> None:
+        fake.peak = fake.allocated
+        fake.resets += 1
+
+    for name, value in {
+        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+        "memory_reserved": lambda index=None: fake.reserved,
+        "reset_peak_memory_stats": reset,
+        "get_device_properties": lambda index=None: types.SimpleNamespace(
+            total_memory=fake.total, name="Fake GPU"),
+        "memory_stats": lambda index=None: {
+            "allocated_bytes.all.current": fake.allocated,
+            "reserved_bytes.all.current": fake.reserved},
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", fake.nested, raising=False)
+    return fake
+
+
+def test_the_fake_allocator_rounds_caches_and_runs_out(cuda: FakeCachingAllocator) -> None:
+    assert cuda.malloc(1000) == 1024
+    assert (cuda.allocated, cuda.reserved) == (1024, 2 * MiB)
+    cuda.free(1024)
+    assert (cuda.allocated, cuda.reserved, cuda.peak) == (0, 2 * MiB, 1024)
+    cuda.malloc(3 * MiB)
+    assert cuda.reserved == 22 * MiB
+    with pytest.raises(torch.OutOfMemoryError):
+        cuda.malloc(cuda.total)
+
+
+def test_cuda_backend_reads_allocated_reserved_and_new_peaks(cuda: FakeCachingAllocator) -> None:
+    backend = make_backend(parse_device("cuda"))
+    assert isinstance(backend, CudaBackend) and str(backend.device) == "cuda:0"
+    size = cuda.malloc(5 * MiB)
+    cuda.free(size)
+    # Freed memory stays reserved; the peak counter rose: reported once, never reset.
+    assert (backend.allocated(), backend.reserved()) == (0, 20 * MiB)
+    assert backend.sample() == (0, 5 * MiB)
+    assert backend.sample() == (0, None)
+    assert cuda.resets == 0 and backend.peak_mode == "sampled"
+    assert backend.total_memory() == cuda.total
+
+
+def test_cuda_exact_mode_resets_the_peak_counter_at_every_read(
+        cuda: FakeCachingAllocator) -> None:
+    backend = make_backend(parse_device("cuda:0"), exact=True)
+    cuda.free(cuda.malloc(MiB))
+    assert backend.sample() == (0, MiB)
+    assert backend.sample() == (0, 0)
+    assert cuda.resets == 2 and backend.peak_mode == "exact"
+
+
+def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+        for _ in range(8):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cuda.malloc(3 * MiB)  # kept: 3 MiB a step
+    report = t.report()
+    assert (report.device, report.backend) == ("cuda:0", "cuda-caching-allocator")
+    # Each step closes at optimizer.step(), before that step's 3 MiB is kept.
+    assert [it.allocated for it in report.iterations] == [3 * MiB * i for i in range(8)]
+    assert report.reserved == 40 * MiB  # two 20 MiB segments hold the eight 3 MiB blocks
+    rules = {f.rule: f for f in report.findings}
+    assert "3.0 MiB/iter on cuda:0" in rules["memory-growth"].message
+    assert rules["memory-headroom"].severity is memsentry.Severity.HINT
+    assert report.nvml is not None and report.nvml["available"] is False
