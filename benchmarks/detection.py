@@ -24,7 +24,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from scenarios import SCENARIOS, Scenario
+from scenarios import Scenario
+from scenarios_verdicts import ALL_SCENARIOS as SCENARIOS
 
 import memsentry
 

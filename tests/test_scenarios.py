@@ -4,7 +4,8 @@ severity and holder within the warm-up plus five iterations; no LEAK for the nor
 from __future__ import annotations
 
 import pytest
-from scenarios import SCENARIOS, STEPS, Scenario
+from scenarios import STEPS, Scenario
+from scenarios_verdicts import ALL_SCENARIOS as SCENARIOS
 from test_registry import documented_rule_ids
 
 import memsentry

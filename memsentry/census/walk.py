@@ -56,6 +56,7 @@ class Holder:
     scope: Scope | None
     hint: SourceHint
     items: int | None = None
+    bound: int | None = None
     tensors: int = 0
     bytes: int = 0
     modules: int = 0
@@ -186,7 +187,7 @@ class Walk:
         self.storages: set[tuple[str, int]] = set()
         self.classes: set[type] = set()
         self.holders: dict[tuple[Step, ...], Holder] = {}
-        self.items: dict[tuple[Step, ...], int] = {}
+        self.items: dict[tuple[Step, ...], tuple[int, int | None]] = {}
         self.queue: collections.deque[_Item] = collections.deque()
         self.visited = 0
         self.live_frames = live_frames or set()
@@ -242,8 +243,9 @@ class Walk:
     def _holder(self, item: _Item) -> Holder:
         holder = self.holders.get(item.path)
         if holder is None:
+            items, bound = self.items.get(item.path, (None, None))
             holder = self.holders[item.path] = Holder(
-                item.path, item.kind, item.scope, item.hint, self.items.get(item.path)
+                item.path, item.kind, item.scope, item.hint, items, bound
             )
         return holder
 
@@ -272,9 +274,11 @@ class Walk:
                 return
             self.add_class(cls)
         elif not item.frozen:
-            self.items[item.path] = len(obj)
+            bound = obj.maxlen if isinstance(obj, collections.deque) else None
+            self.items[item.path] = (len(obj), bound)
             if item.path in self.holders:
                 self.holders[item.path].items = len(obj)
+                self.holders[item.path].bound = bound
         if item.depth < _MAX_DEPTH:
             self._enqueue_children(item, obj, cls)
 

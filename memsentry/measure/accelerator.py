@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memsentry.measure.base import IntervalPeak
-from memsentry.model import PeakMode
+from memsentry.model import Measured, PeakMode
 
 _ALLOCATED = "allocated_bytes.all.current"
 _RESERVED = "reserved_bytes.all.current"
@@ -35,6 +35,8 @@ def accelerator_type() -> str | None:
 
 class AcceleratorBackend:
     """Allocated, reserved and peak bytes of one accelerator device via ``torch.accelerator``."""
+
+    measured = Measured.TENSORS
 
     def __init__(self, device: torch.device, *, exact: bool = False) -> None:
         api = getattr(torch, "accelerator", None)

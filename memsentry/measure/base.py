@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from memsentry.model import PeakMode
+from memsentry.model import Measured, PeakMode
 
 
 @runtime_checkable
@@ -21,6 +21,7 @@ class MemoryBackend(Protocol):
     - ``peak_since_last_read()``: the highest ``allocated()`` since the previous call, when
       the backend can know it (CUDA's peak counter, the exact CPU mode); ``None`` when it only
       samples, in which case the tracker's samples are the peak.
+    - ``measured``: what the figures count (tensors only, or the process heap).
     - ``total_memory()``: capacity of the device (physical RAM on CPU), or ``None``.
     - ``start()`` / ``stop()``: begin and end measuring (the exact CPU mode enters a mode).
     """
@@ -28,6 +29,7 @@ class MemoryBackend(Protocol):
     name: str
     device: torch.device
     peak_mode: PeakMode
+    measured: Measured
     notes: tuple[str, ...]
 
     def sample(self) -> tuple[int, int | None]: ...

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memsentry.model import PeakMode
+from memsentry.model import Measured, PeakMode
 
 _MALLINFO2_FIELDS = (
     "arena",
@@ -64,6 +64,7 @@ class MallinfoBackend:
 
     name = "cpu-mallinfo2"
     peak_mode = PeakMode.SAMPLED
+    measured = Measured.HEAP
     notes: tuple[str, ...] = (
         "CPU figures come from glibc mallinfo2(): all C allocations of the process, "
         "sampled at module, saved-tensor and iteration boundaries (peaks are lower bounds).",

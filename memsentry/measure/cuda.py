@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from memsentry.measure.base import IntervalPeak
-from memsentry.model import PeakMode
+from memsentry.model import Measured, PeakMode
 
 
 class CudaBackend:
     """Allocated, reserved and peak bytes of one CUDA device from the caching allocator."""
 
     name = "cuda-caching-allocator"
+    measured = Measured.TENSORS
 
     def __init__(self, device: torch.device, *, exact: bool = False) -> None:
         if not torch.cuda.is_available():

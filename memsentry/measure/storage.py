@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memsentry.measure.cpu import physical_memory
-from memsentry.model import PeakMode
+from memsentry.model import Measured, PeakMode
 from memsentry.usercode.frames import user_site
 from memsentry.usercode.location import Location
 
@@ -115,6 +115,7 @@ class StorageBackend:
 
     name = "cpu-storages"
     peak_mode = PeakMode.EXACT
+    measured = Measured.TENSORS
     notes: tuple[str, ...] = (
         "CPU figures count tensor storages created while tracking (a dispatch mode sees "
         "every op); storages that existed before tracking began are the baseline.",

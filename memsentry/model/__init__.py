@@ -20,6 +20,7 @@ from memsentry.model.holders import (
 from memsentry.model.kinds import (
     Boundary,
     HolderKind,
+    Measured,
     PeakMode,
     ScopeKind,
     Severity,
@@ -42,6 +43,7 @@ __all__ = [
     "IterationStats",
     "LayerStats",
     "Location",
+    "Measured",
     "PeakMode",
     "ReportData",
     "Scope",

@@ -22,7 +22,8 @@ class HolderStats:
     ``bytes`` count the tensors under it (each storage once per census), ``modules`` the
     ``nn.Module`` objects kept under it (their parameters are in ``bytes``); ``graph_tensors``
     those carrying a ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
-    ``graph_saved_bytes`` the tensors those nodes keep for backward.
+    ``graph_saved_bytes`` the tensors those nodes keep for backward. ``bound`` is the most
+    items the container can hold (a ``deque``'s ``maxlen``), ``None`` when unbounded.
     """
 
     path: tuple[Step, ...]
@@ -36,6 +37,7 @@ class HolderStats:
     graph_nodes: int = 0
     graph_saved_bytes: int = 0
     modules: int = 0
+    bound: int | None = None
 
     @property
     def name(self) -> str:

@@ -35,6 +35,14 @@ class PeakMode(_Text):
     EXACT = "exact"
 
 
+class Measured(_Text):
+    """What a backend's figures count: tensor memory only (a device allocator, storage
+    counting), or the process heap (every C allocation, tensors among them)."""
+
+    TENSORS = "tensors"
+    HEAP = "heap"
+
+
 class HolderKind(_Text):
     """What a holder of tensors is, where its path starts."""
 
@@ -80,5 +88,5 @@ class SubjectKind(_Text):
     LOOP = "loop"
 
 
-__all__ = ["Boundary", "HolderKind", "PeakMode", "ScopeKind", "Severity", "StepKind",
+__all__ = ["Boundary", "HolderKind", "Measured", "PeakMode", "ScopeKind", "Severity", "StepKind",
            "SubjectKind"]

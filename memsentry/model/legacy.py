@@ -59,5 +59,6 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
                          "hooks": hooks})
     unused = [{**u, "where": _location(u.get("where"), u.get("function"))}
               for u in data.get("unused_graphs", ())]
-    return {**data, "censuses": censuses, "unused_graphs": unused,
+    measured = "heap" if data.get("backend") == "cpu-mallinfo2" else "tensors"
+    return {**data, "censuses": censuses, "unused_graphs": unused, "measured": measured,
             "findings": [_finding(f) for f in data.get("findings", ())]}

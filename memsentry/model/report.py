@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from memsentry.model.codec import build, to_plain
 from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
-from memsentry.model.kinds import PeakMode
+from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
 from memsentry.model.timeline import IterationStats, LayerStats
 
@@ -27,7 +27,8 @@ class ReportData:
     ``baseline`` is the allocated memory when tracking began (parameters, buffers and every
     tensor created before are part of it, not growth). ``peak_mode`` says how peaks were
     measured (``"sampled"``, at module and saved-tensor boundaries: a lower bound of the true
-    peak; or ``"exact"``, every allocation counted). ``allocator_stats`` is the backend's raw
+    peak; or ``"exact"``, every allocation counted). ``measured`` says what the figures count:
+    tensor memory only, or the whole process heap (the CPU's default backend). ``allocator_stats`` is the backend's raw
     counters when the report was made (``torch.cuda.memory_stats()`` on CUDA, glibc's
     ``mallinfo2`` fields on CPU); ``nvml`` is the driver's view of a CUDA device (used, total,
     this process, utilisation) or why it is unavailable. ``censuses`` are the holder searches
@@ -48,6 +49,7 @@ class ReportData:
     reserved: int | None = None
     total_memory: int | None = None
     peak_mode: PeakMode = PeakMode.SAMPLED
+    measured: Measured = Measured.TENSORS
     notes: tuple[str, ...] = ()
     dropped_iterations: int = 0
     torch_version: str = ""

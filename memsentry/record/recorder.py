@@ -248,6 +248,7 @@ class Recorder:
             reserved=reserved,
             total_memory=backend.total_memory(),
             peak_mode=backend.peak_mode,
+            measured=backend.measured,
             notes=tuple(notes),
             dropped_iterations=self._timeline.dropped,
             torch_version=torch.__version__,

@@ -19,7 +19,15 @@ from memsentry.model import (
 )
 from memsentry.model.places import until_subscript
 from memsentry.rules.registry import rule
-from memsentry.rules.series import Trend, describe_holder, holder_series, per_iteration, trend
+from memsentry.rules.series import (
+    Trend,
+    describe_holder,
+    growth_rate,
+    holder_series,
+    per_iteration,
+    sawtooth_note,
+    trend,
+)
 from memsentry.units import format_bytes
 
 ACCUMULATION = "tensor-accumulation"
@@ -84,12 +92,13 @@ def retained_graph(report: ReportData) -> list[Finding]:
         message = (
             f"{describe_holder(last)} keeps the autograd graph of every iteration: "
             f"{last.graph_nodes:,} graph nodes at iteration {nodes.iterations[-1]}, "
-            f"+{nodes.per_iteration:.3g} nodes/iter since iteration {nodes.iterations[0]}"
+            f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
+            f"{sawtooth_note(nodes)}"
         )
         if last.graph_saved_bytes:
             message += (
                 f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
-                f"(+{format_bytes(round(max(saved.per_iteration, 0)))}/iter)"
+                f"(+{format_bytes(round(max(growth_rate(saved), 0)))}/iter)"
             )
         else:
             message += (
@@ -111,7 +120,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
             Finding(
                 rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
                 bytes=last.bytes + last.graph_saved_bytes,
-                rate=saved.per_iteration if saved.per_iteration > 0 else None,
+                rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
                 subject=Subject.holder(last.path), location=last.where,
             )
         )
@@ -185,6 +194,9 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     censuses, table = holder_series(report)
     groups: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
     for path, row in table.items():
+        last = row[-1]
+        if last is not None and last.bound is not None:
+            continue  # a deque(maxlen=k) cannot pass k: a window, not a leak
         if trend(censuses, row, _count).climbs():
             groups.setdefault(_parent(path), []).append(path)
     findings = []
@@ -206,11 +218,11 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
     size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
     what = "model" if last.modules and not last.tensors else "tensor"
     message = (
-        f"{describe_holder(last)} gains {per_iteration(count.per_iteration, what)}"
+        f"{describe_holder(last)} gains {per_iteration(growth_rate(count), what)}"
         f"{' across its keys ' + keys if keys else ''}: "
         f"{int(_count(last)):,} ({format_bytes(last.bytes)}) at iteration "
         f"{count.iterations[-1]}, up from {int(_count(first_seen)):,} at iteration "
-        f"{count.iterations[0]}"
+        f"{count.iterations[0]}{sawtooth_note(count)}"
     )
     if last.modules:
         message += f"; {last.modules} of them are whole nn.Module objects"
@@ -253,6 +265,6 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
         bytes=last.bytes + last.graph_saved_bytes,
-        rate=max(size.per_iteration, 0.0), subject=Subject.holder(last.path),
+        rate=max(growth_rate(size), 0.0), subject=Subject.holder(last.path),
         location=last.where,
     )

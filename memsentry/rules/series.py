@@ -39,7 +39,13 @@ def after_warmup(report: ReportData) -> list[IterationStats]:
 @dataclass(frozen=True)
 class Trend:
     """A series of one figure across censuses: its values, where they were read and the
-    slope per iteration between the first and the last."""
+    slope per iteration between the first and the last.
+
+    Growth is judged within *windows*: the runs of censuses between two falls. A container
+    cleared every epoch grows within each epoch and falls at its start, a sawtooth whose
+    teeth grow with the epoch's length; a bounded one (a ``deque(maxlen=k)``, a cache of a few
+    shapes) fills and then stays flat.
+    """
 
     iterations: tuple[int, ...]
     values: tuple[float, ...]
@@ -57,14 +63,67 @@ class Trend:
         span = self.iterations[-1] - self.iterations[0]
         return (self.values[-1] - self.values[0]) / span if span else 0.0
 
+    def windows(self) -> list[tuple[int, int]]:
+        """(first, last) positions of each run of censuses between falls."""
+        runs, start = [], 0
+        for position, (a, b) in enumerate(itertools.pairwise(self.values), start=1):
+            if b < a:
+                runs.append((start, position - 1))
+                start = position
+        runs.append((start, len(self.values) - 1))
+        return runs
+
+    def _rises_in(self, first: int, last: int) -> int:
+        return sum(b > a for a, b in itertools.pairwise(self.values[first:last + 1]))
+
     def climbs(self, *, at_least: float = 2) -> bool:
-        """Rises at two steps or more, never falls, and gains ``at_least`` overall."""
-        return (
-            len(self.values) >= MIN_CENSUSES
-            and self.rises >= MIN_RISES
-            and not self.falls
-            and self.values[-1] - self.values[0] >= at_least
-        )
+        """Growth that goes on: within the latest window the figure rose at two steps or
+        more, gained ``at_least``, and still rose at the latest census (a container that
+        filled up and stays full does not climb); or it grew again after falling (a
+        sawtooth: what is cleared at each epoch's start grows with the epoch)."""
+        if len(self.values) < MIN_CENSUSES:
+            return False
+        runs = self.windows()
+        first, last = runs[-1]
+        latest = self.values[first:last + 1]
+        if (len(latest) >= MIN_CENSUSES and self._rises_in(first, last) >= MIN_RISES
+                and latest[-1] - latest[0] >= at_least and latest[-1] > latest[-2]):
+            return True
+        return self.saws(at_least=at_least)
+
+    def saws(self, *, at_least: float = 2) -> bool:
+        """Grew by ``at_least`` within a window of two rises or more, fell, and grew again."""
+        runs = self.windows()
+        if len(runs) < 2:
+            return False
+        grew = [self._rises_in(a, b) >= MIN_RISES
+                and self.values[b] - self.values[a] >= at_least for a, b in runs[:-1]]
+        return any(grew) and self._rises_in(*runs[-1]) >= 1
+
+    @property
+    def window_per_iteration(self) -> float:
+        """The slope within the window that grew most per iteration."""
+        best = 0.0
+        for a, b in self.windows():
+            span = self.iterations[b] - self.iterations[a]
+            if span:
+                best = max(best, (self.values[b] - self.values[a]) / span)
+        return best
+
+
+def growth_rate(trend: Trend) -> float:
+    """Per iteration: across all censuses, or within the steepest window of a sawtooth."""
+    return trend.window_per_iteration if trend.falls else trend.per_iteration
+
+
+def sawtooth_note(trend: Trend) -> str:
+    """For a series that fell and grew again: where it fell, and what that means."""
+    if not trend.falls:
+        return ""
+    dropped = [trend.iterations[a] for a, _b in trend.windows()[1:]]
+    at = ", ".join(map(str, dropped))
+    return (f"; it was emptied or rebound before iteration {at} and grew again, so what it "
+            "keeps grows with the time between clears (an epoch's length)")
 
 
 def complete_censuses(report: ReportData) -> list[Census]:

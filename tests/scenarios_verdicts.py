@@ -1,0 +1,129 @@
+"""More loops, each a class of code where an earlier memsentry gave a wrong verdict (issue 10):
+leaks that reset every epoch, containers that fill up to a bound and stay there.
+
+Written fresh, not tuned on the rules: each loop is the way people write that code. The
+scenario table extends :data:`scenarios.SCENARIOS`; :data:`ALL_SCENARIOS` is both.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from scenarios import (
+    HINT,
+    LEAK,
+    SCENARIOS,
+    WASTE,
+    Classifier,
+    Scenario,
+    _batch,
+    _setup,
+)
+from torch import nn
+
+import memsentry
+
+#: Iterations per epoch in the epoch-shaped loops: leaks that reset at each epoch's start.
+EPOCH = 10
+
+__all__ = ["ALL_SCENARIOS", "HINT", "LEAK", "VERDICT_SCENARIOS", "WASTE"]
+
+
+def _epochs(steps: int) -> list[int]:
+    """Iterations of each epoch for a run of ``steps`` iterations."""
+    return [min(EPOCH, steps - start) for start in range(0, steps, EPOCH)]
+
+
+# -- leaks that reset every epoch ---------------------------------------------------------------
+def train_epoch_summing_the_loss(model: Classifier, opt: torch.optim.Optimizer,
+                                 steps: int) -> float:
+    total_loss = 0
+    for _ in range(steps):
+        x, y = _batch()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total_loss += loss  # the graph of every step of this epoch stays alive
+    return total_loss.item() / steps
+
+
+def loss_summed_per_epoch(steps: int) -> memsentry.Report:
+    """#1 in a ``train()`` called once per epoch: the sum is rebound at each epoch's start."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for n in _epochs(steps):
+            train_epoch_summing_the_loss(model, opt, n)
+    return t.report()
+
+
+def train_epoch_keeping_outputs(model: Classifier, opt: torch.optim.Optimizer,
+                                steps: int) -> torch.Tensor:
+    epoch_outputs = []
+    for _ in range(steps):
+        x, y = _batch()
+        output = model(x)
+        nn.functional.cross_entropy(output, y).backward()
+        opt.step()
+        opt.zero_grad()
+        epoch_outputs.append(output)  # kept with its graph until the epoch ends
+    return torch.cat(epoch_outputs).argmax(1)
+
+
+def outputs_kept_per_epoch(steps: int) -> memsentry.Report:
+    """#2 per epoch: outputs gathered for an epoch metric, with their graphs."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for n in _epochs(steps):
+            train_epoch_keeping_outputs(model, opt, n)
+    return t.report()
+
+
+# -- bounded containers -------------------------------------------------------------------------
+def deque_filling_slowly(steps: int) -> memsentry.Report:
+    """#28: a ``deque(maxlen=12)`` that fills over twelve iterations, then stays full."""
+    model, opt = _setup()
+    recent: collections.deque[torch.Tensor] = collections.deque(maxlen=12)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            recent.append(logits.detach())
+    return t.report()
+
+
+def list_bounded_by_hand(steps: int) -> memsentry.Report:
+    """#28: a list trimmed to its last eight entries by hand (``del history[0]``)."""
+    model, opt = _setup()
+    history: list[torch.Tensor] = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            history.append(logits.detach())
+            if len(history) > 8:
+                del history[0]
+    return t.report()
+
+
+VERDICT_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("loss summed per epoch, first epoch", "#1", "leak", "retained-graph", LEAK,
+             "total_loss", loss_summed_per_epoch),
+    Scenario("loss summed per epoch, three epochs", "#1", "leak", "retained-graph", LEAK,
+             "total_loss", loss_summed_per_epoch, steps=3 * EPOCH),
+    Scenario("outputs kept per epoch, three epochs", "#2", "leak", "tensor-accumulation",
+             LEAK, "epoch_outputs", outputs_kept_per_epoch, steps=3 * EPOCH),
+    Scenario("deque(maxlen=12) filling up", "#28", "not a leak", None, None, None,
+             deque_filling_slowly, steps=20),
+    Scenario("list trimmed by hand to 8", "#28", "not a leak", None, None, None,
+             list_bounded_by_hand, steps=20),
+)
+
+ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS

@@ -1,0 +1,74 @@
+"""Verdicts on classes of code an earlier memsentry judged wrong (issue 10): growth judged
+within windows (sawtooth leaks found, full windows not called leaks), and heap growth that is
+not tensor memory kept below LEAK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_mlp
+
+import memsentry
+from memsentry.rules.series import Trend
+
+LEAK, HINT = memsentry.Severity.LEAK, memsentry.Severity.HINT
+
+
+@pytest.mark.parametrize(("values", "climbs"), [
+    ((1, 2, 3, 5), True),                  # growing at every census
+    ((1, 2, 3, 5, 5), False),              # filled up, then flat: a window, not a leak
+    ((3, 4, 5, 7, 8, 8), False),           # a deque(maxlen=8) seen filling, then full
+    ((2, 3, 4, 6, 1, 9), True),            # a sawtooth: grew, was cleared, grows again
+    ((2, 3, 4, 6, 1, 1), False),           # grew once, cleared, nothing since
+    ((2, 3, 2, 3, 2, 3), False),           # noise around a level
+    ((1, 2), False),                       # too few censuses to judge
+    ((5, 1, 2, 3, 4), True),               # a fall long ago does not veto what follows
+])
+def test_growth_is_judged_within_windows(values: tuple[float, ...], climbs: bool) -> None:
+    iterations = (2, 3, 4, 6, 10, 18)[: len(values)]
+    assert Trend(iterations, tuple(map(float, values))).climbs() is climbs
+
+
+def _heap_growing_loop(exact: bool) -> memsentry.Report:
+    """A correct loop whose process heap grows 64 KiB a step outside any tensor."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    buffers = []
+    with memsentry.track(model, on_leak="ignore", exact=exact) as t:
+        for _ in range(12):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            buffers.append(bytearray(64 * 1024))  # a C allocation, not a tensor
+    assert len(buffers) == 12
+    return t.report()
+
+
+def test_heap_growth_without_tensor_growth_is_a_hint_not_a_leak() -> None:
+    report = _heap_growing_loop(exact=False)
+    if report.measured != memsentry.Measured.HEAP:
+        pytest.skip("the default CPU backend counts storages here (no glibc mallinfo2)")
+    (finding,) = report.findings
+    assert (finding.rule, finding.severity) == ("memory-growth", HINT)
+    assert "64 KiB/iter" in finding.message and "not tensor memory" in finding.message
+    assert "exact=True" in finding.fix
+
+
+def test_counting_tensor_storages_sees_no_growth_there() -> None:
+    report = _heap_growing_loop(exact=True)
+    assert report.measured == memsentry.Measured.TENSORS
+    assert report.findings == ()
+
+
+def test_tensor_growth_on_the_heap_backend_stays_a_leak_without_censuses() -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with memsentry.track(model, on_leak="ignore", holders=False) as t:
+        for _ in range(12):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(torch.ones(64 * 1024))
+    (finding,) = t.report().findings
+    assert (finding.rule, finding.severity) == ("memory-growth", LEAK)
