@@ -28,12 +28,12 @@ class ReportData:
     tensor created before are part of it, not growth). ``peak_mode`` says how peaks were
     measured (``"sampled"``, at module and saved-tensor boundaries: a lower bound of the true
     peak; or ``"exact"``, every allocation counted). ``measured`` says what the figures count:
-    tensor memory only, or the whole process heap (the CPU's default backend). ``allocator_stats`` is the backend's raw
-    counters when the report was made (``torch.cuda.memory_stats()`` on CUDA, glibc's
-    ``mallinfo2`` fields on CPU); ``nvml`` is the driver's view of a CUDA device (used, total,
-    this process, utilisation) or why it is unavailable. ``censuses`` are the holder searches
-    made at iteration boundaries; ``unused_graphs`` the forward calls whose autograd graph no
-    backward used.
+    tensor memory only, or the whole process heap (the CPU's default backend).
+    ``allocator_stats`` is the backend's raw counters when the report was made
+    (``torch.cuda.memory_stats()`` on CUDA, glibc's ``mallinfo2`` fields on CPU); ``nvml`` is
+    the driver's view of a CUDA device (used, total, this process, utilisation) or why it is
+    unavailable. ``censuses`` are the holder searches made at iteration boundaries;
+    ``unused_graphs`` the forward calls whose autograd graph no backward used.
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
