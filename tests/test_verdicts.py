@@ -72,3 +72,31 @@ def test_tensor_growth_on_the_heap_backend_stays_a_leak_without_censuses() -> No
             kept.append(torch.ones(64 * 1024))
     (finding,) = t.report().findings
     assert (finding.rule, finding.severity) == ("memory-growth", LEAK)
+
+
+def _census(iteration: int, garbage: memsentry.GarbageStats) -> memsentry.Census:
+    return memsentry.Census(iteration=iteration, seconds=0.001, complete=True, objects=10,
+                            garbage=garbage)
+
+
+def test_cycles_without_tensors_make_no_finding() -> None:
+    # Heap noise freed by the interpreter's own collections, and cycles of plain objects: an
+    # earlier memsentry said "reference cycles owned 0 tensors (0 B) ... unknown".
+    garbage = memsentry.GarbageStats(objects=40, tensors=0, bytes=0, freed=0,
+                                     types=(("dict", 20),), full_collections=1, full_freed=4096)
+    report = memsentry.ReportData(device="cpu", backend="test", baseline=0, censuses=tuple(
+        _census(i, garbage) for i in (2, 3, 4, 6)))
+    assert memsentry.analyse(report) == ()
+
+
+def test_a_finding_without_evidence_is_never_emitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memsentry.rules.registry import RULES, Rule
+
+    def empty(_report: memsentry.ReportData) -> list[memsentry.Finding]:
+        return [memsentry.Finding(rule="input-bound", severity=HINT, message="nothing",
+                                  fix="nothing", bytes=0, objects=0)]
+
+    monkeypatch.setitem(RULES, "input-bound", Rule(
+        id="input-bound", check=empty, severities=frozenset({HINT})))
+    report = memsentry.ReportData(device="cpu", backend="test", baseline=0)
+    assert memsentry.analyse(report) == ()

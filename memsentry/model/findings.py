@@ -26,9 +26,10 @@ class Subject:
 class Finding:
     """One verdict of the heuristics engine: what was seen, who holds it, how to fix it.
 
-    ``rule`` is the stable id of the rule; ``message`` and ``fix`` are for people; ``bytes``
-    and ``rate`` (bytes per iteration) are the figures; ``subject`` is what the finding is
-    about and ``location`` the line to change, when known.
+    ``rule`` is the stable id of the rule; ``message`` and ``fix`` are for people; ``bytes``,
+    ``rate`` (bytes per iteration) and ``objects`` (the tensors, graph nodes, hooks or calls
+    seen) are the evidence, and every finding has bytes or objects above zero; ``subject`` is
+    what the finding is about and ``location`` the line to change, when known.
     """
 
     rule: str
@@ -37,6 +38,7 @@ class Finding:
     fix: str
     bytes: int | None = None
     rate: float | None = None
+    objects: int | None = None
     subject: Subject | None = None
     location: Location | None = None
 

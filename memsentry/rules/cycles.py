@@ -42,11 +42,8 @@ def reference_cycle(report: ReportData) -> list[Finding]:
     collections: reference cycles own them, and only the garbage collector frees them. A leak
     with the collector disabled (nothing ever frees them), waste with it on (they wait for
     the collection of their generation). Automatic full collections that freed memory count
-    as sightings too."""
-    sightings = [
-        c for c in report.censuses
-        if c.garbage is not None and (c.garbage.tensors or c.garbage.full_freed)
-    ]
+    as evidence, once tensors were seen in a cycle."""
+    sightings = [c for c in report.censuses if c.garbage is not None and c.garbage.tensors]
     if len(sightings) < MIN_SIGHTINGS:
         return []
     last = sightings[-1].garbage
@@ -73,6 +70,6 @@ def reference_cycle(report: ReportData) -> list[Finding]:
         severity = Severity.LEAK
     return [
         Finding(rule=RULE_ID, severity=severity, message=message, fix=_fix(last),
-                bytes=max(largest.bytes, last.freed), rate=per_iteration,
+                bytes=max(largest.bytes, last.freed), rate=per_iteration, objects=last.tensors,
                 subject=Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None)
     ]

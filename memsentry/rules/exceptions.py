@@ -41,7 +41,8 @@ def exception_frames(report: ReportData) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=holder.bytes, rate=None, subject=Subject.holder(owner.path),
+                    bytes=holder.bytes, objects=holder.tensors,
+                    subject=Subject.holder(owner.path),
                     location=holder.where)
         )
     return findings

@@ -119,7 +119,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
         findings.append(
             Finding(
                 rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes,
+                bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
                 rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
                 subject=Subject.holder(last.path), location=last.where,
             )
@@ -151,7 +151,7 @@ def _pinned_graph(last: HolderStats) -> Finding:
     )
     return Finding(
         rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
-        bytes=last.bytes + last.graph_saved_bytes, rate=None,
+        bytes=last.bytes + last.graph_saved_bytes, rate=None, objects=last.graph_nodes,
         subject=Subject.holder(last.path), location=last.where,
     )
 
@@ -179,6 +179,7 @@ def _gradient_finding(last: HolderStats, nodes: Trend, saved: Trend, growing: bo
     return Finding(
         rule=RETAINED_GRAPH, severity=Severity.LEAK if growing else Severity.WASTE,
         message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
+        objects=last.graph_nodes,
         rate=saved.per_iteration if saved.per_iteration > 0 else None,
         subject=Subject.holder(last.path),
     )
@@ -264,7 +265,7 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
         )
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
-        bytes=last.bytes + last.graph_saved_bytes,
+        bytes=last.bytes + last.graph_saved_bytes, objects=int(_count(last)),
         rate=max(growth_rate(size), 0.0), subject=Subject.holder(last.path),
         location=last.where,
     )

@@ -37,7 +37,7 @@ def hook_accumulation(report: ReportData) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
-                    bytes=None, rate=None, location=last.where,
+                    bytes=None, rate=None, objects=last.count, location=last.where,
                     subject=Subject(SubjectKind.MODULE, module or "<global hooks>"))
         )
     return findings

@@ -59,4 +59,5 @@ def loop_variables(report: ReportData) -> list[Finding]:
         "into a function, whose locals die when it returns)"
     )
     return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=size, subject=Subject.holder(kept[0].path), location=kept[0].where)]
+                    bytes=size, objects=sum(h.tensors for h in kept),
+                    subject=Subject.holder(kept[0].path), location=kept[0].where)]

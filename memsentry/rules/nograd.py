@@ -44,7 +44,7 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=unused.saved_bytes, rate=None, location=unused.where,
+                    bytes=unused.saved_bytes, objects=unused.calls, location=unused.where,
                     subject=Subject(SubjectKind.MODULE, unused.module))
         )
     return findings

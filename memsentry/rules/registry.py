@@ -35,6 +35,8 @@ class Rule:
     summary: str = field(default="", compare=False)
 
     def __call__(self, report: ReportData) -> list[Finding]:
+        """The rule's findings on ``report``; one without evidence (no bytes and no objects
+        above zero) is dropped: a verdict with nothing in it is never shown."""
         findings = self.check(report)
         for finding in findings:
             if finding.rule != self.id or finding.severity not in self.severities:
@@ -42,7 +44,12 @@ class Rule:
                     f"rule {self.id!r} returned a finding of rule {finding.rule!r} at "
                     f"{finding.severity}; it declares {sorted(map(str, self.severities))}"
                 )
-        return findings
+        return [f for f in findings if has_evidence(f)]
+
+
+def has_evidence(finding: Finding) -> bool:
+    """Bytes or objects above zero."""
+    return (finding.bytes or 0) > 0 or (finding.objects or 0) > 0
 
 
 #: Every rule by its id, in the order they run.
@@ -67,4 +74,4 @@ def rule(rule_id: str, *, severities: set[Severity], causes: set[Severity] | Non
     return register
 
 
-__all__ = ["RULES", "Check", "Rule", "rule"]
+__all__ = ["RULES", "Check", "Rule", "has_evidence", "rule"]

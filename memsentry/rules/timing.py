@@ -40,4 +40,5 @@ def input_bound(report: ReportData) -> list[Finding]:
         "and move per-sample work (decoding, augmentation) out of the training process"
     )
     return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
+                    objects=len(its),
                     subject=Subject(SubjectKind.LOOP, "the training loop"))]
