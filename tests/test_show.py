@@ -168,3 +168,21 @@ def test_reporters_need_only_the_values(leaky_report: Report) -> None:
 def test_an_unknown_format_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="unknown report format 'html': use one of text, json"):
         make_reporter("html")
+
+
+def test_show_does_not_import_torch(leaky_report: Report, tmp_path: Path) -> None:
+    # Re-reading a report is formatting only: it must work, quickly, where torch is absent.
+    import subprocess
+    import sys
+
+    path = _saved(leaky_report, tmp_path)
+    code = (
+        "import sys\n"
+        "from memsentry.cli import main\n"
+        f"assert main(['show', {str(path)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'show imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "tensor-accumulation" in done.stdout

@@ -9,11 +9,12 @@ holder above them (its items, counted together).
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,11 +36,10 @@ _MAX_DEPTH = 12
 _CHECK_EVERY = 256
 
 
-@dataclass(frozen=True)
-class SourceHint:
+class SourceHint(NamedTuple):
     """Where to look for the line that fills a holder: the ``name`` it is spelled by, the
     ``files`` to search, the first line of the function to search in (``None``: the whole
-    file) and a line to fall back on."""
+    file) and a line to fall back on. (A tuple: one is made per attribute walked.)"""
 
     name: str
     files: tuple[str, ...] = ()
@@ -64,15 +64,15 @@ class Holder:
     roots: list[Any] = field(default_factory=list)
 
 
-@dataclass(eq=False)
 class _Item:
-    obj: Any
-    path: tuple[Step, ...]
-    kind: HolderKind
-    scope: Scope | None
-    hint: SourceHint
-    depth: int
-    frozen: bool
+    """One object waiting in the walk's queue, with the holder it belongs to."""
+
+    __slots__ = ("depth", "frozen", "hint", "kind", "obj", "path", "scope")
+
+    def __init__(self, obj: Any, path: tuple[Step, ...], kind: HolderKind, scope: Scope | None,
+                 hint: SourceHint, depth: int, frozen: bool) -> None:
+        self.obj, self.path, self.kind, self.scope = obj, path, kind, scope
+        self.hint, self.depth, self.frozen = hint, depth, frozen
 
 
 class Budget:
@@ -108,66 +108,91 @@ def storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
         return None
 
 
-def _traceback_locals(tb: types.TracebackType | None, live: set[int]
-                      ) -> Iterator[tuple[Step, Any, bool]]:
+#: A child as the walk meets it: (step kind, the raw step: an attribute's name, a dict key, an
+#: index, a frame-kept local's (function, name); the child; whether it is positional). The
+#: typed :class:`Step` is built only when the child extends a path.
+Child = tuple[StepKind, Any, Any, bool]
+
+_STEPS: dict[tuple[StepKind, str], Step] = {}
+_MAX_CACHED_STEPS = 50_000
+
+
+def make_step(kind: StepKind, raw: Any) -> Step:
+    """The typed step of a child (attribute steps, the most frequent, are cached)."""
+    if kind == StepKind.FRAME_LOCAL:
+        function, name = raw
+        return Step(kind, name, function)
+    name = raw if kind == StepKind.ATTRIBUTE else repr(raw) if kind == StepKind.KEY \
+        else "" if kind == StepKind.MEMBER else str(raw)
+    step = _STEPS.get((kind, name))
+    if step is None:
+        if len(_STEPS) >= _MAX_CACHED_STEPS:
+            _STEPS.clear()
+        step = _STEPS[kind, name] = Step(kind, name)
+    return step
+
+
+def _traceback_locals(tb: types.TracebackType | None, live: set[int]) -> Iterator[Child]:
     """The locals of the finished frames a traceback keeps (frames still running are roots of
     their own, and reading theirs here would keep a snapshot alive)."""
     while tb is not None:
         frame = tb.tb_frame
         if id(frame) not in live:
+            function = frame.f_code.co_name
             for name, value in list(frame.f_locals.items()):
-                yield Step(StepKind.FRAME_LOCAL, name, frame.f_code.co_name), value, True
+                yield StepKind.FRAME_LOCAL, (function, name), value, True
         tb = tb.tb_next
 
 
-def _attributes(obj: Any) -> Iterator[tuple[Step, Any, bool]]:
+def _attributes(obj: Any) -> Iterator[Child]:
     """An object's instance attributes, from its ``__dict__`` and its slots."""
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict):
         for name, value in list(attributes.items()):
-            yield Step(StepKind.ATTRIBUTE, name), value, False
+            yield StepKind.ATTRIBUTE, name, value, False
     for name in getattr(type(obj), "__slots__", ()):
         if isinstance(name, str) and hasattr(obj, name):
-            yield Step(StepKind.ATTRIBUTE, name), getattr(obj, name), False
+            yield StepKind.ATTRIBUTE, name, getattr(obj, name), False
 
 
-def _module_attributes(module: nn.Module) -> Iterator[tuple[Step, Any, bool]]:
+def _module_attributes(module: nn.Module) -> Iterator[Child]:
     """A module's submodules and its own attributes (not nn.Module's bookkeeping)."""
     for name, child in module._modules.items():
         if child is not None:
-            yield Step(StepKind.ATTRIBUTE, name), child, False
+            yield StepKind.ATTRIBUTE, name, child, False
     for name, value in list(vars(module).items()):
         if name not in _MODULE_INTERNALS:
-            yield Step(StepKind.ATTRIBUTE, name), value, False
+            yield StepKind.ATTRIBUTE, name, value, False
 
 
-def _items(obj: Any) -> Iterator[tuple[Step, Any, bool]]:
+def _items(obj: Any) -> Iterator[Child]:
     """A container's items: string keys extend the path, the rest are positional."""
     if isinstance(obj, dict):
         for key, value in list(obj.items()):
-            yield Step(StepKind.KEY, repr(key)), value, not isinstance(key, str)
+            yield StepKind.KEY, key, value, not isinstance(key, str)
     elif isinstance(obj, set | frozenset):
         for value in list(obj):
-            yield Step(StepKind.MEMBER, ""), value, True
+            yield StepKind.MEMBER, None, value, True
     else:
         for index, value in enumerate(list(obj)):
-            yield Step(StepKind.INDEX, str(index)), value, True
+            yield StepKind.INDEX, index, value, True
 
 
-def children(obj: Any, live: set[int]) -> Iterator[tuple[Step, Any, bool]]:
-    """(step, child, positional) for what ``obj`` holds; positional steps (sequence indices,
-    set members, non-string keys, a traceback's frame locals) belong to the holder above."""
+def children(obj: Any, live: set[int]) -> Iterator[Child]:
+    """What ``obj`` holds (see :data:`Child`); positional children (sequence indices, set
+    members, non-string keys, a traceback's frame locals) belong to the holder above."""
     if isinstance(obj, types.TracebackType):
-        yield from _traceback_locals(obj, live)
-        return
-    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
-        yield Step(StepKind.ATTRIBUTE, "__traceback__"), obj.__traceback__, False
+        return _traceback_locals(obj, live)
     if isinstance(obj, _CONTAINERS):
-        yield from _items(obj)
+        inner = _items(obj)
     elif isinstance(obj, nn.Module):
-        yield from _module_attributes(obj)
+        inner = _module_attributes(obj)
     else:
-        yield from _attributes(obj)
+        inner = _attributes(obj)
+    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
+        traceback: Child = (StepKind.ATTRIBUTE, "__traceback__", obj.__traceback__, False)
+        return itertools.chain((traceback,), inner)
+    return inner
 
 
 class Walk:
@@ -285,18 +310,19 @@ class Walk:
     def _enqueue_children(self, item: _Item, obj: Any, cls: type) -> None:
         files = item.hint.files
         source = source_file(cls) if cls.__module__ != "builtins" else None
-        for step, child, positional in children(obj, self.live_frames):
+        depth = item.depth + 1
+        for kind, raw, child, positional in children(obj, self.live_frames):
             if id(child) in self.seen or atomic(child):
                 continue
             if (item.frozen or positional) and self.targets is None:
                 self.queue.append(_Item(child, item.path, item.kind, item.scope, item.hint,
-                                        item.depth + 1, True))
+                                        depth, True))
                 continue
             hint = item.hint
-            if step.kind == StepKind.ATTRIBUTE:
-                hint = SourceHint(step.name, (source, *files) if source else files)
-            self.queue.append(_Item(child, (*item.path, step), item.kind, item.scope, hint,
-                                    item.depth + 1, False))
+            if kind == StepKind.ATTRIBUTE:
+                hint = SourceHint(raw, (source, *files) if source else files)
+            self.queue.append(_Item(child, (*item.path, make_step(kind, raw)), item.kind,
+                                    item.scope, hint, depth, False))
 
     def _match(self, item: _Item, tensor: torch.Tensor) -> None:
         key = storage_key(tensor)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from memsentry.measure.machine import collect
 from memsentry.units import format_bytes
+
+if TYPE_CHECKING:
+    from memsentry.measure.machine import MachineInfo
+
+
+def collect() -> MachineInfo:
+    from memsentry.measure.machine import collect as survey  # imports torch
+
+    return survey()
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,6 @@ import traceback
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.errors import MemsentryError
-from memsentry.tracker import Tracker
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +57,8 @@ def _run_script(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memsentry.tracker import Tracker  # torch is imported for this command only
+
     if not args.module and not os.path.isfile(args.script):
         return fail("run", f"no such script: {args.script!r}")
     try:

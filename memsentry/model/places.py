@@ -41,6 +41,13 @@ class Step:
     name: str
     function: str | None = None
 
+    def __post_init__(self) -> None:
+        # Paths are dict keys on the census's hot path: hash a step once, not at every lookup.
+        object.__setattr__(self, "_hash", hash((self.kind, self.name, self.function)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
     def spelled(self) -> str:
         """The step as code would write it after what comes before."""
         if self.kind == StepKind.ROOT:
