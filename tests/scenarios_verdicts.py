@@ -113,6 +113,49 @@ def list_bounded_by_hand(steps: int) -> memsentry.Report:
     return t.report()
 
 
+# -- two optimizers --------------------------------------------------------------------------
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.net(z)
+
+
+class Discriminator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def gan_training(steps: int) -> memsentry.Report:
+    """A GAN step as tutorials write it: the discriminator's optimizer steps first, then the
+    generator's loss is backpropagated through the fake batch made before that step."""
+    torch.manual_seed(0)
+    gen, disc = Generator(), Discriminator()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4)
+    bce = nn.BCEWithLogitsLoss()
+    with memsentry.track(on_leak="ignore") as t:
+        for _ in range(steps):
+            real = torch.randn(64, 32)
+            fake = gen(torch.randn(64, 16))
+            opt_d.zero_grad()
+            d_loss = bce(disc(real), torch.ones(64, 1)) + bce(disc(fake.detach()),
+                                                               torch.zeros(64, 1))
+            d_loss.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            g_loss = bce(disc(fake), torch.ones(64, 1))
+            g_loss.backward()
+            opt_g.step()
+    return t.report()
+
+
 VERDICT_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("loss summed per epoch, first epoch", "#1", "leak", "retained-graph", LEAK,
              "total_loss", loss_summed_per_epoch),
@@ -124,6 +167,8 @@ VERDICT_SCENARIOS: tuple[Scenario, ...] = (
              deque_filling_slowly, steps=20),
     Scenario("list trimmed by hand to 8", "#28", "not a leak", None, None, None,
              list_bounded_by_hand, steps=20),
+    Scenario("GAN, discriminator stepped first", "-", "not a leak", None, None, None,
+             gan_training),
 )
 
 ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS

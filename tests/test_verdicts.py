@@ -100,3 +100,14 @@ def test_a_finding_without_evidence_is_never_emitted(monkeypatch: pytest.MonkeyP
         id="input-bound", check=empty, severities=frozenset({HINT})))
     report = memsentry.ReportData(device="cpu", backend="test", baseline=0)
     assert memsentry.analyse(report) == ()
+
+
+def test_a_gans_generator_backward_is_measured_and_not_called_unused() -> None:
+    from scenarios_verdicts import gan_training
+
+    report = gan_training(8)
+    assert [f.rule for f in report.findings if f.rule == "missing-no-grad"] == []
+    generator = report.layer("Generator")
+    assert generator.backward_calls >= 6 and generator.backward_peak is not None
+    assert report.layer("net.0").backward_calls >= 6  # named from the Generator root
+    assert len([it for it in report.iterations if it.boundary != "exit"]) == 8

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from memsentry.record.calls import BackwardCall
 from memsentry.record.layers import LayerRecord
 from memsentry.record.sampler import Sampler
+from memsentry.record.timeline import IterationClock
 
 #: Calls waiting for their backward before old hooks are dropped (a loop without boundaries).
 MAX_PENDING = 20_000
@@ -41,16 +42,18 @@ class BackwardTimer:
     """Opens and closes the backward of module calls; ``running`` is shared with the sampler,
     which raises their peaks."""
 
-    def __init__(self, sampler: Sampler, running: dict[int, BackwardCall]) -> None:
+    def __init__(self, sampler: Sampler, running: dict[int, BackwardCall],
+                 clock: IterationClock) -> None:
         self.active = False
         self._sampler = sampler
+        self._clock = clock
         self.running = running
         self._pending: list[BackwardCall] = []
         self._end_queued = False
 
     def watch_inputs(self, record: LayerRecord, args: Any) -> BackwardCall:
         """A forward begins: its backward ends once the gradients of its inputs are complete."""
-        call = BackwardCall(record)
+        call = BackwardCall(record, self._clock.index)
         self._pending.append(call)
         if len(self._pending) > MAX_PENDING:  # no iteration boundaries
             self.drop_hooks()
@@ -105,12 +108,16 @@ class BackwardTimer:
         self.running.clear()
 
     def drop_hooks(self, *, keep_running: bool = True) -> None:
-        """Remove the hooks of past calls, so that a graph node the user keeps across
-        iterations does not gather one more memsentry hook per iteration. Calls whose
-        backward is running keep theirs unless ``keep_running`` is off (at the end)."""
+        """At an iteration boundary, remove the hooks of past calls, so that a graph node the
+        user keeps across iterations does not gather one more memsentry hook per iteration.
+        Calls whose backward is running, and calls of the iteration just ended whose backward
+        has not run yet (a GAN's generator, whose backward follows the discriminator's
+        optimizer step), keep theirs for one more iteration; at the end (``keep_running``
+        off) every hook goes."""
         kept = []
         for call in self._pending:
-            if keep_running and call.state == BackwardCall.RUNNING:
+            recent = call.state == BackwardCall.WAITING and call.generation >= self._clock.index
+            if keep_running and (call.state == BackwardCall.RUNNING or recent):
                 kept.append(call)
                 continue
             for handle in call.handles:

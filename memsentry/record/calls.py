@@ -13,12 +13,13 @@ class BackwardCall:
     """The backward of one module call: opened when the gradient of its output is complete,
     closed when the gradients of its inputs are (or when the backward pass ends)."""
 
-    __slots__ = ("handles", "input_nodes", "peak", "record", "start", "state")
+    __slots__ = ("generation", "handles", "input_nodes", "peak", "record", "start", "state")
 
     WAITING, RUNNING, DONE = 0, 1, 2
 
-    def __init__(self, record: LayerRecord) -> None:
+    def __init__(self, record: LayerRecord, generation: int) -> None:
         self.record = record
+        self.generation = generation  # the iteration whose forward made the call
         self.state = BackwardCall.WAITING
         self.start = 0
         self.peak = 0

@@ -52,8 +52,9 @@ class Recorder:
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
         self._sampler = Sampler(self._stack, running, self._clock)
-        self._backward = BackwardTimer(self._sampler, running) if options.backward else None
-        self._roots = RootCalls()
+        self._backward = (BackwardTimer(self._sampler, running, self._clock)
+                          if options.backward else None)
+        self._roots = RootCalls(self._clock)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
@@ -128,7 +129,7 @@ class Recorder:
         self._handles.clear()
         if self._censuses.gc_event in gc.callbacks:
             gc.callbacks.remove(self._censuses.gc_event)
-        self._roots.settle()
+        self._roots.settle(everything=True)
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None

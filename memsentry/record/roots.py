@@ -10,16 +10,18 @@ import torch
 
 from memsentry.model import Location, UnusedGraph
 from memsentry.record.backward import grad_nodes
+from memsentry.record.timeline import IterationClock
 from memsentry.usercode.frames import user_site
 
 
 class RootCall:
     """An outermost module call made with autograd on, until a backward reaches its output."""
 
-    __slots__ = ("eval_mode", "handles", "name", "saved", "used", "where")
+    __slots__ = ("eval_mode", "generation", "handles", "name", "saved", "used", "where")
 
     def __init__(self, name: str, eval_mode: bool, saved: int | None,
-                 where: Location | None) -> None:
+                 where: Location | None, generation: int) -> None:
+        self.generation = generation
         self.name = name
         self.eval_mode = eval_mode
         self.saved = saved
@@ -45,9 +47,13 @@ class RootCall:
 
 
 class RootCalls:
-    """The outermost calls of the running iteration, and the unused ones of past iterations."""
+    """The outermost calls of the running and the previous iteration, and the unused ones of
+    those before. A call is judged one boundary after its own iteration ended: a backward may
+    come after the boundary (a GAN's generator loss, backpropagated after the discriminator's
+    optimizer step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: IterationClock) -> None:
+        self._clock = clock
         self._running: list[RootCall] = []
         self._unused: dict[str, UnusedGraph] = {}
 
@@ -57,18 +63,23 @@ class RootCalls:
         nodes = grad_nodes(outputs)
         if not nodes:
             return
-        call = RootCall(name, eval_mode, saved, user_site())
+        call = RootCall(name, eval_mode, saved, user_site(), self._clock.index)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
         self._running.append(call)
 
-    def settle(self) -> None:
-        """The iteration ended: calls no backward reached are unused; hooks removed."""
+    def settle(self, *, everything: bool = False) -> None:
+        """An iteration ended: the calls made before it (all calls, with ``everything``) are
+        judged, those no backward reached are unused, and their hooks are removed."""
+        kept = []
         for call in self._running:
+            if not everything and not call.used and call.generation >= self._clock.index:
+                kept.append(call)
+                continue
             for handle in call.handles:
                 handle.remove()
             if not call.used:
                 self._unused[call.name] = call.fold_into(self._unused.get(call.name))
-        self._running.clear()
+        self._running = kept
 
     def unused(self) -> tuple[UnusedGraph, ...]:
         """Settled unused graphs plus those of the running iteration that are still unused."""
