@@ -156,6 +156,48 @@ def gan_training(steps: int) -> memsentry.Report:
     return t.report()
 
 
+# -- state cleared right after the optimizer step ----------------------------------------------
+class Policy(nn.Module):
+    """A REINFORCE policy that keeps its episode's log-probabilities, as PyTorch's example does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2))
+        self.saved_log_probs: list[torch.Tensor] = []
+        self.rewards: list[float] = []
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.net(state), dim=-1)
+
+
+def finish_episode(policy: Policy, opt: torch.optim.Optimizer) -> None:
+    returns = torch.tensor(policy.rewards)
+    loss = torch.stack([-lp * r for lp, r in zip(policy.saved_log_probs, returns,
+                                                 strict=True)]).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    del policy.rewards[:]  # the episode's state goes right after the step
+    del policy.saved_log_probs[:]
+
+
+def reinforce_episodes(steps: int) -> memsentry.Report:
+    """Policy gradient: an episode of 20 actions, then one update; the episode's graph is kept
+    on the policy until the update, then cleared."""
+    torch.manual_seed(0)
+    policy = Policy()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    with memsentry.track(policy, on_leak="ignore") as t:
+        for _ in range(steps):
+            for _ in range(20):
+                probs = policy(torch.randn(1, 4))
+                action = torch.distributions.Categorical(probs).sample()
+                policy.saved_log_probs.append(torch.log(probs[0, action]))
+                policy.rewards.append(1.0)
+            finish_episode(policy, opt)
+    return t.report()
+
+
 VERDICT_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("loss summed per epoch, first epoch", "#1", "leak", "retained-graph", LEAK,
              "total_loss", loss_summed_per_epoch),
@@ -169,6 +211,8 @@ VERDICT_SCENARIOS: tuple[Scenario, ...] = (
              list_bounded_by_hand, steps=20),
     Scenario("GAN, discriminator stepped first", "-", "not a leak", None, None, None,
              gan_training),
+    Scenario("episode state cleared after the step", "-", "not a leak", None, None, None,
+             reinforce_episodes, steps=12),
 )
 
 ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS

@@ -55,12 +55,13 @@ class Recorder:
         self._backward = (BackwardTimer(self._sampler, running, self._clock)
                           if options.backward else None)
         self._roots = RootCalls(self._clock)
+        self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
             saved=options.saved_tensors, start_backend=self._start_lazily,
+            iteration_start=self._census_at_iteration_start, censuses=self._censuses,
         )
-        self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
         self._handles: list[Any] = []
         self._saved_hooks: saved_tensors_hooks | None = None
         self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
@@ -115,6 +116,9 @@ class Recorder:
                 self._clock.calls or not self._timeline.items
             ):
                 self._close_iteration(Boundary.EXIT)
+            # A census still pending would see the loop after it ended (its functions
+            # returned, their locals gone): it is not taken.
+            self._censuses.pending = None
         finally:
             self._teardown()
 
@@ -197,16 +201,33 @@ class Recorder:
         if self._backward is not None:
             self._backward.drop_hooks()
         self._roots.settle()
-        if self.options.holders and boundary != Boundary.EXIT \
-                and census_due(self._clock.index):
-            model = self._model_ref() if self._model_ref is not None else None
-            own = {handle.id for handle in self._handles if hasattr(handle, "id")}
-            self._censuses.take(self._clock.index, model=model, own_hooks=own,
-                                skip={id(self)})
+        if self._censuses.pending is not None:  # no module ran since the last boundary
+            self._take_pending_census()
             now = time.perf_counter()  # the census's own time is not the loop's
             allocated = sampler.sample(boundary=True)
+        if self.options.holders and boundary != Boundary.EXIT \
+                and census_due(self._clock.index):
+            self._censuses.pending = self._clock.index
         self._clock.advance(boundary, now)
         sampler.peak = allocated
+
+    def _take_pending_census(self) -> None:
+        """The census due at the last boundary, taken now: when the next iteration's first
+        outermost module is called, or at the next boundary. By then the code that follows
+        the boundary in the loop (``del``, ``.clear()``) has run."""
+        iteration, self._censuses.pending = self._censuses.pending, None
+        if iteration is None:
+            return
+        model = self._model_ref() if self._model_ref is not None else None
+        own = {handle.id for handle in self._handles if hasattr(handle, "id")}
+        self._censuses.take(iteration, model=model, own_hooks=own, skip={id(self)})
+
+    def _census_at_iteration_start(self) -> None:
+        """Take a pending census before the iteration's first module call; its time is moved
+        out of the iteration (it is memsentry's, not the loop's data wait)."""
+        started = time.perf_counter()
+        self._take_pending_census()
+        self._clock.started += time.perf_counter() - started
 
     # -- results ---------------------------------------------------------------------------
     def _counters(self) -> Counters:

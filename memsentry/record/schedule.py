@@ -42,11 +42,15 @@ class CensusSchedule:
         self._full_collections = 0
         self._full_freed = 0
         self._full_start = 0
+        self._collecting = False  # the census's own collections are not the interpreter's
+        self.pending: int | None = None  # a census due, to be taken when the next iteration
+        # begins: after the code that follows the boundary (clearing lists, del) has run
 
     def gc_event(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
         backend = self._sampler.backend
-        if info.get("generation") != 2 or backend is None or not self.active:
+        if info.get("generation") != 2 or backend is None or not self.active \
+                or self._collecting:
             return
         if phase == "start":
             self._full_start = backend.allocated()
@@ -56,12 +60,14 @@ class CensusSchedule:
 
     def take(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
              skip: set[int]) -> None:
-        """One census now; a failure becomes a note, never the user's exception."""
+        """One census now, labelled with the ``iteration`` whose boundary it judges; a failure
+        becomes a note, never the user's exception."""
         backend = self._sampler.backend
         assert backend is not None
         collections, freed = self._full_collections, self._full_freed
         self._full_collections = self._full_freed = 0
         before = backend.allocated()
+        self._collecting = True
         try:
             garbage = garbage_census(backend.allocated, collections, freed,
                                      everything=self._cycles_seen)
@@ -83,6 +89,8 @@ class CensusSchedule:
                 f"({type(exc).__name__}: {exc}); please report this to memsentry."
             )
             return
+        finally:
+            self._collecting = False
         self.censuses.append(census)
         self._sampler.own += backend.allocated() - before
 
