@@ -198,6 +198,55 @@ def reinforce_episodes(steps: int) -> memsentry.Report:
     return t.report()
 
 
+# -- loops without a torch.optim optimizer ------------------------------------------------------
+def sgd_by_hand(model: nn.Module, lr: float = 0.01) -> None:
+    """The update of PyTorch's word-language-model example: no optimizer object."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.data.add_(p.grad, alpha=-lr)
+            p.grad = None
+
+
+def loss_summed_with_sgd_by_hand(steps: int) -> memsentry.Report:
+    """#1 in a loop that updates its weights by hand: iterations come from backward passes."""
+    model, _opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        total_loss = 0
+        for _ in range(steps):
+            x, y = _batch()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            sgd_by_hand(model)
+            total_loss += loss
+    return t.report()
+
+
+def hidden_state_with_sgd_by_hand(steps: int) -> memsentry.Report:
+    """#4 with a hand-written update: the RNN's hidden state is carried without detach()."""
+    torch.manual_seed(0)
+    rnn = nn.GRU(16, 32, batch_first=True)
+    with memsentry.track(rnn, on_leak="ignore") as t:
+        hidden = torch.zeros(1, 8, 32)
+        for _ in range(steps):
+            out, hidden = rnn(torch.randn(8, 5, 16), hidden)
+            out.pow(2).mean().backward(retain_graph=True)
+            sgd_by_hand(rnn)
+    return t.report()
+
+
+def inference_without_no_grad(steps: int) -> memsentry.Report:
+    """#14 in an inference script: no backward at all; iterations are the model's calls."""
+    model, _opt = _setup()
+    model.eval()
+    predictions = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, _y = _batch()
+            predictions.append(model(x).argmax(1).tolist())
+    assert len(predictions) == steps
+    return t.report()
+
+
 VERDICT_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("loss summed per epoch, first epoch", "#1", "leak", "retained-graph", LEAK,
              "total_loss", loss_summed_per_epoch),
@@ -213,6 +262,12 @@ VERDICT_SCENARIOS: tuple[Scenario, ...] = (
              gan_training),
     Scenario("episode state cleared after the step", "-", "not a leak", None, None, None,
              reinforce_episodes, steps=12),
+    Scenario("loss summed, SGD by hand", "#1", "leak", "retained-graph", LEAK, "total_loss",
+             loss_summed_with_sgd_by_hand),
+    Scenario("hidden state, SGD by hand", "#4", "leak", "retained-graph", LEAK, "hidden",
+             hidden_state_with_sgd_by_hand),
+    Scenario("inference without no_grad", "#14", "waste", "missing-no-grad", WASTE,
+             "Classifier", inference_without_no_grad),
 )
 
 ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS

@@ -111,3 +111,104 @@ def test_a_gans_generator_backward_is_measured_and_not_called_unused() -> None:
     assert generator.backward_calls >= 6 and generator.backward_peak is not None
     assert report.layer("net.0").backward_calls >= 6  # named from the Generator root
     assert len([it for it in report.iterations if it.boundary != "exit"]) == 8
+
+
+def test_iterations_come_from_backward_passes_without_an_optimizer() -> None:
+    from scenarios_verdicts import loss_summed_with_sgd_by_hand
+
+    report = loss_summed_with_sgd_by_hand(8)
+    assert [it.boundary for it in report.iterations] == ["backward"] * 8
+    assert any("closed at the end of each backward pass" in n for n in report.notes)
+    assert [c.iteration for c in report.censuses] == [2, 3, 4, 6]
+
+
+def test_iterations_come_from_model_calls_in_inference() -> None:
+    from scenarios_verdicts import inference_without_no_grad
+
+    report = inference_without_no_grad(8)
+    assert [it.boundary for it in report.iterations] == ["forward"] * 7 + ["exit"]
+    assert any("each call of the first outermost module" in n for n in report.notes)
+
+
+def test_an_optimizer_loop_notes_nothing_about_its_iterations() -> None:
+    from scenarios import loss_item_summed
+
+    report = loss_item_summed(6)
+    assert {it.boundary for it in report.iterations} == {"optimizer"}
+    assert not any("iterations were closed" in n for n in report.notes)
+
+
+def test_micro_batches_before_the_first_step_are_one_iteration() -> None:
+    # Gradient accumulation: three backward passes per step. Before the first step, each
+    # backward looked like an iteration end; the step merges them into one.
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(8):
+            for _ in range(3):
+                model(torch.randn(4, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = t.report()
+    assert [(it.index, it.boundary, it.forward_calls) for it in report.iterations] == [
+        (i, "optimizer", 12) for i in range(8)]
+    assert [c.iteration for c in report.censuses] == [2, 3, 4, 6]
+
+
+HAND_SCRIPT = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+rnn = nn.LSTM(8, 16)
+head = nn.Linear(16, 4)
+params = list(rnn.parameters()) + list(head.parameters())
+
+
+def train(hidden):
+    total_loss = 0
+    for _ in range(10):
+        out, hidden = rnn(torch.randn(5, 2, 8), hidden)
+        loss = nn.functional.cross_entropy(head(out[-1]), torch.tensor([0, 1]))
+        loss.backward(retain_graph=True)
+        for p in params:
+            p.data.add_(p.grad, alpha=-0.01)
+            p.grad = None
+        {accumulate}
+    return hidden, total_loss
+
+
+hidden = (torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
+for epoch in range(2):
+    hidden, total = train({carry})
+print("done")
+"""
+#: (what the loop does wrong, its lines, the holder named, the line named)
+HAND_LEAKS = [
+    ("loss summed", {"accumulate": "total_loss += loss", "carry": "hidden"},
+     "total_loss", "        total_loss += loss"),
+]
+
+
+@pytest.mark.parametrize(("case", "lines", "holder", "line"), HAND_LEAKS,
+                         ids=[c[0] for c in HAND_LEAKS])
+def test_memsentry_run_names_the_leak_of_a_script_without_an_optimizer(
+    case: str, lines: dict[str, str], holder: str, line: str, tmp_path: object,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pathlib import Path
+
+    from memsentry.cli import main
+
+    folder = Path(str(tmp_path))
+    source = HAND_SCRIPT.format(**lines)
+    (folder / "hand.py").write_text(source, encoding="utf-8")
+    assert main(["run", "--json", str(folder / "r.json"), str(folder / "hand.py")]) == 0
+    assert "done" in capsys.readouterr().out
+    report = memsentry.Report.from_json(folder / "r.json")
+    (finding,) = [f for f in report.findings if f.severity is LEAK]
+    assert finding.rule == "retained-graph"
+    assert finding.subject is not None and finding.subject.name == holder
+    assert finding.location is not None
+    assert finding.location.line == source.splitlines().index(line) + 1
+    assert {it.boundary for it in report.iterations} <= {"backward", "exit"}

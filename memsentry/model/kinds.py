@@ -20,11 +20,14 @@ class Severity(_Text):
 
 
 class Boundary(_Text):
-    """What closed an iteration: an optimizer step, ``t.step()``, or the end of tracking (a
-    partial iteration)."""
+    """What closed an iteration: an optimizer step, ``t.step()``, the end of a backward pass
+    (loops without a ``torch.optim`` optimizer), the next call of the outermost module
+    (inference), or the end of tracking (a partial iteration)."""
 
     OPTIMIZER = "optimizer"
     STEP = "step"
+    BACKWARD = "backward"
+    FORWARD = "forward"
     EXIT = "exit"
 
 

@@ -21,7 +21,6 @@ from memsentry.record.calls import ForwardCall
 from memsentry.record.layers import LayerRegistry, storage_bytes
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
-from memsentry.record.schedule import CensusSchedule
 from memsentry.record.timeline import IterationClock
 
 
@@ -46,15 +45,16 @@ class ForwardRecorder:
     """The forward hooks and the saved-tensor pack hook of one recorder.
 
     ``start_backend(module, args)`` is called at the first module call when no backend was
-    started yet (the device is then chosen from that call); ``iteration_start()`` before an
-    outermost call while a census is pending in ``censuses``. ``saved`` says whether bytes
-    saved for backward are attributed; ``backward`` whether each layer's backward is timed.
+    started yet (the device is then chosen from that call); ``iteration_start(module)`` before
+    every outermost call (it may close an iteration, or take a pending census). ``saved``
+    says whether bytes saved for backward are attributed; ``backward`` whether each layer's
+    backward is timed.
     """
 
     def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
                  stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
                  saved: bool, start_backend: Callable[[nn.Module, Any], None],
-                 iteration_start: Callable[[], None], censuses: CensusSchedule) -> None:
+                 iteration_start: Callable[[nn.Module], None]) -> None:
         self.active = False
         self.stack = stack
         self._registry = registry
@@ -65,7 +65,6 @@ class ForwardRecorder:
         self._saved = saved
         self._start_backend = start_backend
         self._iteration_start = iteration_start
-        self._censuses = censuses
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self.active:
@@ -73,8 +72,8 @@ class ForwardRecorder:
         if self._sampler.backend is None:
             self._start_backend(module, args)
         parent = self.stack[-1].record if self.stack else None
-        if parent is None and self._censuses.pending is not None:
-            self._iteration_start()
+        if parent is None:
+            self._iteration_start(module)
         record = self._registry.record_for(module, parent)
         if parent is not None:
             parent.is_leaf = False

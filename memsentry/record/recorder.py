@@ -22,8 +22,14 @@ from torch.nn.modules.module import (
 )
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memsentry.measure import device_of_module, make_backend, nvml_query, parse_device
-from memsentry.model import Boundary, ReportData
+from memsentry.measure import (
+    MemoryBackend,
+    device_of_module,
+    make_backend,
+    nvml_query,
+    parse_device,
+)
+from memsentry.model import Boundary, IterationStats, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import BackwardCall, ForwardCall
 from memsentry.record.forward import ForwardRecorder, unpack
@@ -32,9 +38,18 @@ from memsentry.record.options import Options
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.schedule import CensusSchedule, census_due
+from memsentry.record.signals import Action, Signals
 from memsentry.record.timeline import IterationClock, Timeline
 
 Counters = tuple[dict[str, Any] | None, dict[str, Any] | None]
+
+
+def read_counters(backend: MemoryBackend) -> Counters:
+    """The backend's raw counters and, on CUDA, NVML's view of the device."""
+    nvml = None
+    if backend.device.type == "cuda":
+        nvml = asdict(nvml_query(backend.device.index or 0))
+    return backend.stats(), nvml
 
 
 class Recorder:
@@ -54,18 +69,18 @@ class Recorder:
         self._sampler = Sampler(self._stack, running, self._clock)
         self._backward = (BackwardTimer(self._sampler, running, self._clock)
                           if options.backward else None)
-        self._roots = RootCalls(self._clock)
+        self._roots = RootCalls(self._clock, self._backward_ended)
+        self._signals = Signals()
         self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
             saved=options.saved_tensors, start_backend=self._start_lazily,
-            iteration_start=self._census_at_iteration_start, censuses=self._censuses,
+            iteration_start=self._outermost_call,
         )
         self._handles: list[Any] = []
         self._saved_hooks: saved_tensors_hooks | None = None
         self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
-        self._manual_steps = False
         self._overall_peak = 0
         self._final: tuple[int, int | None, Counters] | None = None
         self.active = False
@@ -140,7 +155,7 @@ class Recorder:
         backend = self._sampler.backend
         if backend is not None:
             if self.active:
-                self._final = (backend.allocated(), backend.reserved(), self._counters())
+                self._final = (backend.allocated(), backend.reserved(), read_counters(backend))
             backend.stop()
         self._set_active(False)
         self._stack.clear()
@@ -148,6 +163,7 @@ class Recorder:
             self._backward.close()
         self._registry.clear_modules()
         self._primary_optimizer = None
+        self._signals.forget_modules()
         self._model_ref = None
 
     def _start_backend(self, device: torch.device) -> None:
@@ -166,43 +182,67 @@ class Recorder:
 
     # -- iterations ------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active or self._manual_steps:
+        if not self.active:
             return
         if self._primary_optimizer is None or self._primary_optimizer() is None:
             self._primary_optimizer = weakref.ref(optimizer)
         elif self._primary_optimizer() is not optimizer:
             return  # a second optimizer (GAN, multi-task) steps inside the same iteration
-        if self._sampler.backend is not None:
-            self._close_iteration(Boundary.OPTIMIZER)
+        self._signal(Boundary.OPTIMIZER)
+
+    def _backward_ended(self) -> None:
+        if self.active:
+            self._signal(Boundary.BACKWARD)
+
+    def _outermost_call(self, module: nn.Module) -> None:
+        """Before an outermost module call: the next call of the first outermost module
+        begins an iteration (for loops with no stronger signal); a census pending since the
+        last boundary is taken, its time moved out of the iteration's data wait."""
+        if self._signals.repeats_first_call(module):
+            self._signal(Boundary.FORWARD)
+        if self._censuses.pending is not None:
+            self._clock.started += self._censuses.take_pending(**self._census_roots())
 
     def step(self) -> None:
-        """Close an iteration here; from the first call on, optimizer steps no longer do."""
-        first_manual = not self._manual_steps
-        self._manual_steps = True
+        """Close an iteration here; from the first call on, weaker signals no longer do."""
         if self._sampler.backend is None:
             self._start_backend(self.device or torch.device("cpu"))
-        if first_manual and self._clock.last_boundary == Boundary.OPTIMIZER \
-                and self._clock.calls == 0:
-            # The optimizer already closed this iteration just before; relabel, do not split.
-            self._timeline.relabel_last(Boundary.STEP)
-            self._clock.last_boundary = Boundary.STEP
-            return
-        self._close_iteration(Boundary.STEP)
+        self._signal(Boundary.STEP)
 
-    def _close_iteration(self, boundary: Boundary) -> None:
+    def _signal(self, event: Boundary) -> None:
+        if self._sampler.backend is None:
+            return
+        action = self._signals.decide(event, calls_since=self._clock.calls)
+        if action is not Action.IGNORE:
+            self._close_iteration(event, merge=action is Action.MERGE)
+
+    def _close_iteration(self, boundary: Boundary, *, merge: bool = False) -> None:
+        """Close the running iteration; with ``merge``, together with the iterations weaker
+        signals closed just before (they were parts of this one)."""
         sampler = self._sampler
         assert sampler.backend is not None
         now = time.perf_counter()
         allocated = sampler.sample(boundary=True)
-        self._timeline.add(
-            self._clock.close(boundary, allocated, sampler.backend.reserved(), sampler.peak, now)
-        )
+        closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
+                                    sampler.peak, now)
+        parts: list[IterationStats] = []
+        if merge:
+            for item in reversed(self._timeline.items):
+                if not Signals.weaker(item.boundary, than=boundary):
+                    break
+                parts.insert(0, item)
+        if parts:
+            self._clock.index = self._timeline.merge_tail(parts, closing)
+            self._censuses.forget_since(self._clock.index)
+        else:
+            self._timeline.add(closing)
         self._overall_peak = max(self._overall_peak, sampler.peak)
-        if self._backward is not None:
-            self._backward.drop_hooks()
-        self._roots.settle()
+        if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
+            if self._backward is not None:
+                self._backward.drop_hooks()
+            self._roots.settle()
         if self._censuses.pending is not None:  # no module ran since the last boundary
-            self._take_pending_census()
+            self._censuses.take_pending(**self._census_roots())
             now = time.perf_counter()  # the census's own time is not the loop's
             allocated = sampler.sample(boundary=True)
         if self.options.holders and boundary != Boundary.EXIT \
@@ -211,34 +251,13 @@ class Recorder:
         self._clock.advance(boundary, now)
         sampler.peak = allocated
 
-    def _take_pending_census(self) -> None:
-        """The census due at the last boundary, taken now: when the next iteration's first
-        outermost module is called, or at the next boundary. By then the code that follows
-        the boundary in the loop (``del``, ``.clear()``) has run."""
-        iteration, self._censuses.pending = self._censuses.pending, None
-        if iteration is None:
-            return
+    def _census_roots(self) -> dict[str, Any]:
+        """What a census needs from the recorder: the model, memsentry's hooks, itself."""
         model = self._model_ref() if self._model_ref is not None else None
         own = {handle.id for handle in self._handles if hasattr(handle, "id")}
-        self._censuses.take(iteration, model=model, own_hooks=own, skip={id(self)})
-
-    def _census_at_iteration_start(self) -> None:
-        """Take a pending census before the iteration's first module call; its time is moved
-        out of the iteration (it is memsentry's, not the loop's data wait)."""
-        started = time.perf_counter()
-        self._take_pending_census()
-        self._clock.started += time.perf_counter() - started
+        return {"model": model, "own_hooks": own, "skip": {id(self)}}
 
     # -- results ---------------------------------------------------------------------------
-    def _counters(self) -> Counters:
-        """The backend's raw counters and, on CUDA, NVML's view of the device."""
-        backend = self._sampler.backend
-        assert backend is not None
-        nvml = None
-        if backend.device.type == "cuda":
-            nvml = asdict(nvml_query(backend.device.index or 0))
-        return backend.stats(), nvml
-
     def recording(self) -> ReportData:
         """What was recorded so far (also while recording), frozen, without findings."""
         backend = self._sampler.backend
@@ -252,10 +271,13 @@ class Recorder:
             )
         if self.active or self._final is None:
             allocated = self._sampler.sample(boundary=True)
-            reserved, counters = backend.reserved(), self._counters()
+            reserved, counters = backend.reserved(), read_counters(backend)
         else:  # read at the end of recording
             allocated, reserved, counters = self._final
         notes = [*backend.notes, *self._censuses.errors]
+        signal_note = self._signals.note()
+        if signal_note:
+            notes.append(signal_note)
         if self._sampler.coarse_note:
             notes.append(self._sampler.coarse_note)
         notes += self._censuses.budget_notes()

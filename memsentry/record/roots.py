@@ -4,6 +4,7 @@ forward whose graph no backward used by the end of its iteration wasted what it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,9 @@ from memsentry.model import Location, UnusedGraph
 from memsentry.record.backward import grad_nodes
 from memsentry.record.timeline import IterationClock
 from memsentry.usercode.frames import user_site
+
+#: Outermost calls watched at once before the oldest are judged without a boundary.
+MAX_RUNNING = 10_000
 
 
 class RootCall:
@@ -52,8 +56,11 @@ class RootCalls:
     come after the boundary (a GAN's generator loss, backpropagated after the discriminator's
     optimizer step)."""
 
-    def __init__(self, clock: IterationClock) -> None:
+    def __init__(self, clock: IterationClock,
+                 backward_done: Callable[[], None] | None = None) -> None:
         self._clock = clock
+        self._backward_done = backward_done
+        self._done_queued = False
         self._running: list[RootCall] = []
         self._unused: dict[str, UnusedGraph] = {}
 
@@ -63,9 +70,24 @@ class RootCalls:
         nodes = grad_nodes(outputs)
         if not nodes:
             return
+        if len(self._running) >= MAX_RUNNING:  # no boundary settles them (inference)
+            self.settle(everything=True)
         call = RootCall(name, eval_mode, saved, user_site(), self._clock.index)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
+        if self._backward_done is not None:
+            call.handles += [node.register_prehook(self._reached) for node in nodes]
         self._running.append(call)
+
+    def _reached(self, _grad_outputs: Any) -> None:
+        """A backward pass reached an outermost output: report when the pass ends."""
+        if not self._done_queued:
+            self._done_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
+
+    def _pass_ended(self) -> None:
+        self._done_queued = False
+        if self._backward_done is not None:
+            self._backward_done()
 
     def settle(self, *, everything: bool = False) -> None:
         """An iteration ended: the calls made before it (all calls, with ``everything``) are

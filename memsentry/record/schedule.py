@@ -4,6 +4,7 @@ within a time budget; what the interpreter's own full collections free is measur
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from torch import nn
@@ -93,6 +94,22 @@ class CensusSchedule:
             self._collecting = False
         self.censuses.append(census)
         self._sampler.own += backend.allocated() - before
+
+    def take_pending(self, *, model: nn.Module | None, own_hooks: set[int],
+                     skip: set[int]) -> float:
+        """Take the census due at the last boundary now; returns the seconds it took."""
+        iteration, self.pending = self.pending, None
+        if iteration is None:
+            return 0.0
+        started = time.perf_counter()
+        self.take(iteration, model=model, own_hooks=own_hooks, skip=skip)
+        return time.perf_counter() - started
+
+    def forget_since(self, iteration: int) -> None:
+        """Censuses of iterations from ``iteration`` on judged parts of an iteration that were
+        merged into one: they are dropped, as is a pending one."""
+        self.censuses = [c for c in self.censuses if c.iteration < iteration]
+        self.pending = None
 
     def budget_notes(self) -> list[str]:
         """Searches that stopped at their budget."""

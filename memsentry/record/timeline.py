@@ -77,7 +77,15 @@ class Timeline:
             self.dropped += len(self.items) - len(kept)
             self.items = kept
 
-    def relabel_last(self, boundary: Boundary) -> None:
-        """Change what closed the newest iteration (an explicit ``t.step()`` took over)."""
-        if self.items:
-            self.items[-1] = replace(self.items[-1], boundary=boundary)
+    def merge_tail(self, parts: list[IterationStats], closing: IterationStats) -> int:
+        """Replace ``parts`` (the newest items) and the iteration ``closing`` by one iteration
+        numbered as the first part; returns its index."""
+        del self.items[len(self.items) - len(parts):]
+        first = parts[0] if parts else closing
+        self.items.append(replace(
+            closing, index=first.index, peak=max([closing.peak, *(p.peak for p in parts)]),
+            seconds=closing.seconds + sum(p.seconds for p in parts),
+            forward_calls=closing.forward_calls + sum(p.forward_calls for p in parts),
+            data_seconds=first.data_seconds, batch=first.batch,
+        ))
+        return first.index

@@ -93,7 +93,6 @@ def retained_graph(report: ReportData) -> list[Finding]:
             f"{describe_holder(last)} keeps the autograd graph of every iteration: "
             f"{last.graph_nodes:,} graph nodes at iteration {nodes.iterations[-1]}, "
             f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
-            f"{sawtooth_note(nodes)}"
         )
         if last.graph_saved_bytes:
             message += (
@@ -105,6 +104,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
                 "; backward() freed their saved tensors, but the nodes themselves pile up "
                 "in host memory and every backward through them gets slower"
             )
+        message += sawtooth_note(nodes)
         if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
             fix = (
                 f"accumulate a number, not the tensor: `{_base(last)} += loss.item()` "

@@ -1,0 +1,75 @@
+"""Which event closes iterations: every loop has some of them, and the strongest one seen wins.
+
+From strongest to weakest: ``t.step()``, a step of the (first) ``torch.optim`` optimizer, the
+end of a backward pass that reached an outermost module's output (loops that update weights
+by hand, or with an optimizer of their own), the next call of the first outermost module
+(inference). A weaker event is ignored once a stronger one was seen. When a stronger event
+is seen for the first time, the iterations the weaker one closed since the last boundary of
+the stronger kind were parts of one iteration (the micro-batches of gradient accumulation,
+the actions of an episode before its update): they are merged into the iteration the
+stronger event closes.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+
+from torch import nn
+
+from memsentry.model import Boundary
+
+_STRENGTH = {Boundary.FORWARD: 1, Boundary.BACKWARD: 2, Boundary.OPTIMIZER: 3, Boundary.STEP: 4}
+
+
+class Action(enum.Enum):
+    IGNORE = "ignore"
+    CLOSE = "close"
+    MERGE = "merge"  # close, merging the iterations weaker events closed before
+
+
+class Signals:
+    """The strongest iteration signal seen so far, and what each new event does."""
+
+    def __init__(self) -> None:
+        self.signal: Boundary | None = None
+        self._first: weakref.ref[nn.Module] | None = None
+
+    def repeats_first_call(self, module: nn.Module) -> bool:
+        """Whether an outermost call of ``module`` is a new call of the first outermost module
+        (a FORWARD event); the first outermost call names that module."""
+        first = self._first() if self._first is not None else None
+        if first is None:
+            self._first = weakref.ref(module)
+            return False
+        return first is module
+
+    def forget_modules(self) -> None:
+        self._first = None
+
+    def decide(self, event: Boundary, *, calls_since: int) -> Action:
+        """What ``event`` does, ``calls_since`` module calls after the last boundary."""
+        strength = _STRENGTH[event]
+        previous = self.signal
+        if previous is not None and strength < _STRENGTH[previous]:
+            return Action.IGNORE
+        self.signal = event
+        if event == Boundary.FORWARD and not calls_since:
+            return Action.IGNORE
+        if previous is not None and strength > _STRENGTH[previous]:
+            return Action.MERGE
+        return Action.CLOSE
+
+    @staticmethod
+    def weaker(boundary: Boundary, than: Boundary) -> bool:
+        return _STRENGTH.get(boundary, 0) < _STRENGTH[than]
+
+    def note(self) -> str | None:
+        """What the report says when iterations came from a weak signal."""
+        if self.signal == Boundary.BACKWARD:
+            return ("No torch.optim optimizer stepped and t.step() was not called: iterations "
+                    "were closed at the end of each backward pass.")
+        if self.signal == Boundary.FORWARD:
+            return ("No backward pass, optimizer step or t.step() was seen: iterations were "
+                    "closed at each call of the first outermost module (inference).")
+        return None
