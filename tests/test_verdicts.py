@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
+from torch import nn
 
 import memsentry
 from memsentry.rules.series import Trend
@@ -212,3 +213,51 @@ def test_memsentry_run_names_the_leak_of_a_script_without_an_optimizer(
     assert finding.location is not None
     assert finding.location.line == source.splitlines().index(line) + 1
     assert {it.boundary for it in report.iterations} <= {"backward", "exit"}
+
+
+def test_loop_variables_advice_leaves_out_locals_another_holder_keeps() -> None:
+    # `del logits` would free nothing: the list keeps every step's logits too. Only the
+    # inputs are worth deleting, and the share of the peak's rise is never above 100 %.
+    from scenarios import _batch, _setup
+
+    model, opt = _setup()
+    kept_logits = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(7):
+            inputs, labels = _batch(16384)
+            logits = model(inputs)
+            nn.functional.cross_entropy(logits, labels).backward()
+            opt.step()
+            opt.zero_grad()
+            kept_logits.append(logits.detach())
+            del kept_logits[:-2]
+    hints = [f for f in t.report().findings if f.rule == "loop-variables"]
+    (hint,) = hints
+    assert "`inputs`" in hint.message and "`logits`" not in hint.message
+    assert "del inputs" in hint.fix and "logits" not in hint.fix
+    percentages = [int(p) for p in __import__("re").findall(r"(\d+)% of that", hint.message)]
+    assert all(p <= 100 for p in percentages)
+
+
+def test_layer_figures_not_measured_show_as_not_measured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # When mallinfo2() turns slow, memory is read at iteration boundaries only: later layer
+    # deltas and peaks are not measured, and must not print as 0 B.
+    import memsentry.record.sampler as sampler_module
+    from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE
+
+    if MALLINFO2_UNAVAILABLE is not None:
+        pytest.skip(MALLINFO2_UNAVAILABLE)
+    monkeypatch.setattr(sampler_module, "SLOW_SAMPLE_IN_RUN", 0.0)
+    monkeypatch.setattr(sampler_module, "SAMPLE_WINDOW", 4)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore", holders=False) as t:
+        for _ in range(5):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    report = t.report()
+    assert all(layer.forward_delta is None and layer.backward_peak is None
+               for layer in report.layers)
+    assert all(layer.output_bytes for layer in report.layers)  # sizes are still known

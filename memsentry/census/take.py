@@ -170,7 +170,7 @@ def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
         path=holder.path, kind=holder.kind, scope=holder.scope, where=_where(holder.hint),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
-        modules=holder.modules, bound=holder.bound,
+        modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
     )
 
 

@@ -61,6 +61,7 @@ class Holder:
     bytes: int = 0
     modules: int = 0
     graph_tensors: int = 0
+    shared_bytes: int = 0
     roots: list[Any] = field(default_factory=list)
 
 
@@ -210,6 +211,8 @@ class Walk:
         self.static = static
         self.seen: set[int] = set(skip)
         self.storages: set[tuple[str, int]] = set()
+        self.owners: dict[tuple[str, int], Holder] = {}  # the holder that counted a storage
+        self.shared: set[tuple[str, int]] = set()
         self.classes: set[type] = set()
         self.holders: dict[tuple[Step, ...], Holder] = {}
         self.items: dict[tuple[Step, ...], tuple[int, int | None]] = {}
@@ -240,16 +243,28 @@ class Walk:
                 self.add_root(value, path, HolderKind.CLASS_ATTRIBUTE, scope,
                               SourceHint(name, (source,) if source else ()))
 
-    def count_bytes(self, tensor: torch.Tensor, *, parameters: bool = False) -> int:
+    def count_bytes(self, tensor: torch.Tensor, *, parameters: bool = False,
+                    holder: Holder | None = None) -> int:
         """The storage's bytes the first time it is met; parameters and buffers of tracked
-        modules count only when ``parameters`` is on (a whole model kept in a container)."""
+        modules count only when ``parameters`` is on (a whole model kept in a container).
+        Met again from another ``holder``, the storage's first holder is marked as sharing
+        it (``del`` on that holder alone would not free it)."""
         key = storage_key(tensor)
         if key is None:
             return 0
         (device, pointer), size = key
-        if (pointer in self.static and not parameters) or (device, pointer) in self.storages:
+        if pointer in self.static and not parameters:
+            return 0
+        if (device, pointer) in self.storages:
+            first = self.owners.get((device, pointer))
+            if holder is not None and first is not None and first is not holder \
+                    and (device, pointer) not in self.shared:
+                self.shared.add((device, pointer))
+                first.shared_bytes += size
             return 0
         self.storages.add((device, pointer))
+        if holder is not None:
+            self.owners[device, pointer] = holder
         return size
 
     def run(self) -> None:
@@ -281,7 +296,7 @@ class Walk:
             elif not isinstance(obj, nn.Parameter):
                 holder = self._holder(item)
                 holder.tensors += 1
-                holder.bytes += self.count_bytes(obj)
+                holder.bytes += self.count_bytes(obj, holder=holder)
                 if obj.grad_fn is not None:
                     holder.graph_tensors += 1
                     holder.roots.append(obj.grad_fn)

@@ -24,6 +24,7 @@ class HolderStats:
     those carrying a ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
     ``graph_saved_bytes`` the tensors those nodes keep for backward. ``bound`` is the most
     items the container can hold (a ``deque``'s ``maxlen``), ``None`` when unbounded.
+    ``shared_bytes``: of its ``bytes``, those another holder reaches too.
     """
 
     path: tuple[Step, ...]
@@ -38,6 +39,7 @@ class HolderStats:
     graph_saved_bytes: int = 0
     modules: int = 0
     bound: int | None = None
+    shared_bytes: int = 0
 
     @property
     def name(self) -> str:

@@ -92,10 +92,10 @@ class BackwardTimer:
 
         return close_backward
 
-    @staticmethod
-    def _finish(call: BackwardCall, allocated: int) -> None:
+    def _finish(self, call: BackwardCall, allocated: int) -> None:
         call.state = BackwardCall.DONE
-        call.record.add_backward(allocated - call.start, call.peak - call.start)
+        if not self._sampler.coarse:  # boundary-only sampling: the figures would be stale
+            call.record.add_backward(allocated - call.start, call.peak - call.start)
 
     def _end_backward(self) -> None:
         """End of a backward pass: close the calls whose inputs needed no gradient."""

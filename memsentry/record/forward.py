@@ -93,9 +93,10 @@ class ForwardRecorder:
         while call.record is not record and self.stack:  # a child whose post hook never ran
             call = self.stack.pop()
         outputs = tensors_in(output)
+        measured = not self._sampler.coarse  # boundary-only sampling: figures would be stale
         record.add_forward(
-            delta=allocated - call.start,
-            peak=call.peak - call.start,
+            delta=allocated - call.start if measured else None,
+            peak=call.peak - call.start if measured else None,
             output=storage_bytes(outputs),
             saved=call.saved_bytes if self._saved else None,
         )

@@ -39,15 +39,18 @@ class LayerRecord:
     backward_calls: int = 0
     is_leaf: bool = True
 
-    def add_forward(self, delta: int, peak: int, output: int, saved: int | None) -> None:
+    def add_forward(self, delta: int | None, peak: int | None, output: int,
+                    saved: int | None) -> None:
         """Fold in one forward call. The first call's deltas and peaks carry one-time set-up
         (thread pools, kernels' workspaces, lazily created buffers), so from the second call
-        on they are replaced by the worst of the later calls."""
+        on they are replaced by the worst of the later calls. ``None``: not measured (memory
+        was sampled at iteration boundaries only)."""
         self.calls += 1
         if self.calls == 2:
             self.forward_delta = self.forward_peak = None
-        self.forward_delta = _max(self.forward_delta, delta)
-        self.forward_peak = _max(self.forward_peak, peak)
+        if delta is not None and peak is not None:
+            self.forward_delta = _max(self.forward_delta, delta)
+            self.forward_peak = _max(self.forward_peak, peak)
         self.output_bytes = _max(self.output_bytes, output)
         if saved is not None:
             self.saved_bytes = _max(self.saved_bytes, saved)

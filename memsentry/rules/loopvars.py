@@ -35,8 +35,11 @@ def loop_variables(report: ReportData) -> list[Finding]:
     if len(censuses) < 2:
         return []
     before, last = _plain_locals(censuses[-2].holders), _plain_locals(censuses[-1].holders)
-    kept = [last[name] for name in last if name in before]
-    size = sum(h.bytes for h in kept)
+    # A local whose tensors another holder keeps too (`outputs.append(out)`) frees nothing
+    # when deleted: it is left out, and so are locals whose storage another local counted.
+    kept = [last[name] for name in last
+            if name in before and last[name].bytes > last[name].shared_bytes]
+    size = sum(h.bytes - h.shared_bytes for h in kept)
     its = after_warmup(report)
     rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]
     rise = statistics.median(rises) if rises else 0
@@ -49,7 +52,7 @@ def loop_variables(report: ReportData) -> list[Finding]:
         f"{names} (locals of {scope or 'the loop'}) keep {format_bytes(size)} of the finished "
         "iteration alive until the next one rebinds them, after it has made its own"
     )
-    if rise > 0:
+    if 0 < size <= rise:
         message += (
             f": the peak rises {format_bytes(round(rise))} above each boundary, and "
             f"{size / rise:.0%} of that could be freed first"
