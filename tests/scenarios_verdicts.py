@@ -8,6 +8,7 @@ scenario table extends :data:`scenarios.SCENARIOS`; :data:`ALL_SCENARIOS` is bot
 from __future__ import annotations
 
 import collections
+import collections.abc
 
 import torch
 from scenarios import (
@@ -271,3 +272,58 @@ VERDICT_SCENARIOS: tuple[Scenario, ...] = (
 )
 
 ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS
+
+
+# -- holders Python keeps inside functions ------------------------------------------------------
+def record_output(output: torch.Tensor, history: list[torch.Tensor] = []) -> int:  # noqa: B006
+    history.append(output)  # the default list is created once and kept by the function
+    return len(history)
+
+
+def mutable_default_argument(steps: int) -> memsentry.Report:
+    """A leak held by a function's mutable default argument."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            output = model(x)
+            nn.functional.cross_entropy(output, y).backward()
+            opt.step()
+            opt.zero_grad()
+            record_output(output)
+    return t.report()
+
+
+def make_logger() -> collections.abc.Callable[[torch.Tensor], None]:
+    seen: list[torch.Tensor] = []
+
+    def log(value: torch.Tensor) -> None:
+        seen.append(value)  # the closure's list keeps every value
+
+    return log
+
+
+log_step = make_logger()
+
+
+def closure_keeps_tensors(steps: int) -> memsentry.Report:
+    """A leak held in a closure cell of a module-level function."""
+    model, opt = _setup()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            x, y = _batch()
+            logits = model(x)
+            nn.functional.cross_entropy(logits, y).backward()
+            opt.step()
+            opt.zero_grad()
+            log_step(logits.detach())
+    return t.report()
+
+
+VERDICT_SCENARIOS += (
+    Scenario("mutable default argument", "#2", "leak", "tensor-accumulation", LEAK,
+             "record_output.__defaults__[0]", mutable_default_argument),
+    Scenario("closure keeps tensors", "#3", "leak", "tensor-accumulation", LEAK,
+             "log_step.__closure__[0].cell_contents", closure_keeps_tensors),
+)
+ALL_SCENARIOS = SCENARIOS + VERDICT_SCENARIOS

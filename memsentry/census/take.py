@@ -18,7 +18,16 @@ from torch import nn
 
 from memsentry.census.graphs import graph_size
 from memsentry.census.hooks import hook_census
-from memsentry.census.walk import OPAQUE, Budget, Holder, SourceHint, Walk, atomic
+from memsentry.census.walk import (
+    CALLABLES,
+    OPAQUE,
+    Budget,
+    Holder,
+    SourceHint,
+    Walk,
+    atomic,
+    walks_into,
+)
 from memsentry.model import (
     Census,
     GarbageStats,
@@ -59,7 +68,9 @@ def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: s
     for name, value in list(namespace.items()):
         if name.startswith("__"):
             continue
-        if not atomic(value) and not isinstance(value, OPAQUE):
+        defined_here = isinstance(value, CALLABLES) and walks_into(value) \
+            and getattr(value, "__module__", None) == module_name
+        if defined_here or (not atomic(value) and not isinstance(value, OPAQUE)):
             walk.add_root(value, _root(name), HolderKind.GLOBAL, scope, SourceHint(name, files))
         elif classes and isinstance(value, type):
             walk.add_class(value)

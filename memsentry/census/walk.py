@@ -9,6 +9,7 @@ holder above them (its items, counted together).
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import time
 import types
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from memsentry.model import HeldTensor, HolderKind, Scope, ScopeKind, Step, StepKind
-from memsentry.usercode.frames import is_user_class, source_file
+from memsentry.usercode.frames import MACHINERY, is_user_class, root_package, source_file
 
 _ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
           type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
@@ -196,6 +197,43 @@ def children(obj: Any, live: set[int]) -> Iterator[Child]:
     return inner
 
 
+#: Callables whose captured values are walked: a function's defaults and closure cells, a
+#: bound method's object, a ``functools.partial``'s function and arguments.
+CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def walks_into(obj: Any) -> bool:
+    """A callable of the user's code, whose captured values may hold tensors."""
+    if isinstance(obj, types.FunctionType):
+        return root_package(obj.__module__) not in MACHINERY
+    if isinstance(obj, types.MethodType):
+        return walks_into(obj.__func__) or is_user_class(type(obj.__self__))
+    return isinstance(obj, functools.partial)
+
+
+def captured(obj: Any) -> Iterator[Child]:
+    """What a callable keeps alive, spelled as Python reaches it (``record.__defaults__[0]``,
+    ``log.__closure__[0].cell_contents``, ``step.__self__``, ``fn.args``)."""
+    if isinstance(obj, types.FunctionType):
+        for index, value in enumerate(obj.__defaults__ or ()):
+            yield StepKind.ATTRIBUTE, f"__defaults__[{index}]", value, False
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            yield StepKind.ATTRIBUTE, f"__kwdefaults__[{name!r}]", value, False
+        for index, cell in enumerate(obj.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield StepKind.ATTRIBUTE, f"__closure__[{index}].cell_contents", value, False
+    elif isinstance(obj, types.MethodType):
+        yield StepKind.ATTRIBUTE, "__self__", obj.__self__, False
+        yield StepKind.ATTRIBUTE, "__func__", obj.__func__, False
+    else:
+        yield StepKind.ATTRIBUTE, "func", obj.func, False
+        yield StepKind.ATTRIBUTE, "args", obj.args, False
+        yield StepKind.ATTRIBUTE, "keywords", obj.keywords, False
+
+
 class Walk:
     """One census walk over everything reachable from the roots added to it.
 
@@ -289,17 +327,24 @@ class Walk:
             )
         return holder
 
+    def _visit_tensor(self, item: _Item, tensor: torch.Tensor) -> None:
+        if self.targets is not None:
+            self._match(item, tensor)
+        elif not isinstance(tensor, nn.Parameter):
+            holder = self._holder(item)
+            holder.tensors += 1
+            holder.bytes += self.count_bytes(tensor, holder=holder)
+            if tensor.grad_fn is not None:
+                holder.graph_tensors += 1
+                holder.roots.append(tensor.grad_fn)
+
     def _visit(self, item: _Item, obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
-            if self.targets is not None:
-                self._match(item, obj)
-            elif not isinstance(obj, nn.Parameter):
-                holder = self._holder(item)
-                holder.tensors += 1
-                holder.bytes += self.count_bytes(obj, holder=holder)
-                if obj.grad_fn is not None:
-                    holder.graph_tensors += 1
-                    holder.roots.append(obj.grad_fn)
+            self._visit_tensor(item, obj)
+            return
+        if isinstance(obj, CALLABLES) and walks_into(obj):
+            if item.depth < _MAX_DEPTH:
+                self._enqueue_children(item, obj, type(obj), captured(obj))
             return
         if isinstance(obj, OPAQUE) or type(obj).__module__.startswith("memsentry"):
             return
@@ -322,11 +367,12 @@ class Walk:
         if item.depth < _MAX_DEPTH:
             self._enqueue_children(item, obj, cls)
 
-    def _enqueue_children(self, item: _Item, obj: Any, cls: type) -> None:
+    def _enqueue_children(self, item: _Item, obj: Any, cls: type,
+                          held: Iterator[Child] | None = None) -> None:
         files = item.hint.files
         source = source_file(cls) if cls.__module__ != "builtins" else None
         depth = item.depth + 1
-        for kind, raw, child, positional in children(obj, self.live_frames):
+        for kind, raw, child, positional in held or children(obj, self.live_frames):
             if id(child) in self.seen or atomic(child):
                 continue
             if (item.frozen or positional) and self.targets is None:
