@@ -291,7 +291,9 @@ def mutable_default_argument(steps: int) -> memsentry.Report:
             opt.step()
             opt.zero_grad()
             record_output(output)
-    return t.report()
+    report = t.report()
+    record_output.__defaults__[0].clear()  # type: ignore[index]  # the next scenario's turn
+    return report
 
 
 def make_logger() -> collections.abc.Callable[[torch.Tensor], None]:
@@ -308,6 +310,8 @@ log_step = make_logger()
 
 def closure_keeps_tensors(steps: int) -> memsentry.Report:
     """A leak held in a closure cell of a module-level function."""
+    global log_step
+    log_step = make_logger()  # a fresh closure for each run
     model, opt = _setup()
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
@@ -317,7 +321,9 @@ def closure_keeps_tensors(steps: int) -> memsentry.Report:
             opt.step()
             opt.zero_grad()
             log_step(logits.detach())
-    return t.report()
+    report = t.report()
+    log_step = make_logger()  # what this run kept goes
+    return report
 
 
 VERDICT_SCENARIOS += (
