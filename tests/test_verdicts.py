@@ -170,6 +170,7 @@ def train(hidden):
     total_loss = 0
     for _ in range(10):
         out, hidden = rnn(torch.randn(5, 2, 8), hidden)
+        {detach}
         loss = nn.functional.cross_entropy(head(out[-1]), torch.tensor([0, 1]))
         loss.backward(retain_graph=True)
         for p in params:
@@ -181,13 +182,16 @@ def train(hidden):
 
 hidden = (torch.zeros(1, 2, 16), torch.zeros(1, 2, 16))
 for epoch in range(2):
-    hidden, total = train({carry})
+    hidden, total = train(hidden)
 print("done")
 """
 #: (what the loop does wrong, its lines, the holder named, the line named)
 HAND_LEAKS = [
-    ("loss summed", {"accumulate": "total_loss += loss", "carry": "hidden"},
+    ("loss summed", {"accumulate": "total_loss += loss",
+                     "detach": "hidden = tuple(h.detach() for h in hidden)"},
      "total_loss", "        total_loss += loss"),
+    ("hidden state not detached", {"accumulate": "total_loss += loss.item()", "detach": "pass"},
+     "hidden", "        out, hidden = rnn(torch.randn(5, 2, 8), hidden)"),
 ]
 
 

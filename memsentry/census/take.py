@@ -186,13 +186,16 @@ def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
 
 
 def _freeze_holders(walk: Walk) -> list[HolderStats]:
-    frozen = []
+    """Each holder with the autograd graph it reaches. A graph two holders reach (a state
+    carried into the next iteration and an output of the same call) is credited to the holder
+    declared first: the state set up before the loop, not the loop's own output."""
+    graphs: dict[int, tuple[int, int]] = {}
     nodes_seen: set[int] = set()
-    for holder in walk.holders.values():
-        nodes, saved = graph_size(walk, holder.roots, nodes_seen) if holder.roots else (0, 0)
+    for holder in sorted(walk.holders.values(), key=walk.declared):
+        graphs[id(holder)] = graph_size(walk, holder.roots, nodes_seen) if holder.roots \
+            else (0, 0)
         holder.roots.clear()
-        frozen.append(_freeze(holder, nodes, saved))
-    return frozen
+    return [_freeze(holder, *graphs[id(holder)]) for holder in walk.holders.values()]
 
 
 def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]]) -> list[HolderStats]:

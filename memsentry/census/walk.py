@@ -250,6 +250,7 @@ class Walk:
         self.seen: set[int] = set(skip)
         self.storages: set[tuple[str, int]] = set()
         self.owners: dict[tuple[str, int], Holder] = {}  # the holder that counted a storage
+        self.root_order: dict[tuple[Step, ...], int] = {}  # roots in the order they were added
         self.shared: set[tuple[str, int]] = set()
         self.classes: set[type] = set()
         self.holders: dict[tuple[Step, ...], Holder] = {}
@@ -262,6 +263,7 @@ class Walk:
                  scope: Scope | None, hint: SourceHint) -> None:
         if id(obj) in self.seen or atomic(obj):
             return
+        self.root_order.setdefault(path, len(self.root_order))
         self.queue.append(_Item(obj, path, kind, scope, hint, 0, False))
 
     def add_class(self, cls: type) -> None:
@@ -326,6 +328,15 @@ class Walk:
                 item.path, item.kind, item.scope, item.hint, items, bound
             )
         return holder
+
+    def declared(self, holder: Holder) -> int:
+        """The position of the holder's root among the roots (a variable's place in its
+        frame or module: state set up before a loop comes before the loop's own locals)."""
+        for length in (1, 2):
+            order = self.root_order.get(holder.path[:length])
+            if order is not None:
+                return order
+        return len(self.root_order)
 
     def _visit_tensor(self, item: _Item, tensor: torch.Tensor) -> None:
         if self.targets is not None:
