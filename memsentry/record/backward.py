@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from memsentry.record.calls import BackwardCall
+from memsentry.record.calls import BackwardCall, PassEnd
 from memsentry.record.layers import LayerRecord
 from memsentry.record.sampler import Sampler
 from memsentry.record.timeline import IterationClock
@@ -49,7 +49,7 @@ class BackwardTimer:
         self._clock = clock
         self.running = running
         self._pending: list[BackwardCall] = []
-        self._end_queued = False
+        self._pass_end = PassEnd(self._end_backward)
 
     def watch_inputs(self, record: LayerRecord, args: Any) -> BackwardCall:
         """A forward begins: its backward ends once the gradients of its inputs are complete."""
@@ -77,9 +77,7 @@ class BackwardTimer:
             allocated = self._sampler.sample()
             call.state, call.start, call.peak = BackwardCall.RUNNING, allocated, allocated
             self.running[id(call)] = call
-            if not self._end_queued:
-                self._end_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._pass_end.arm()
 
         return open_backward
 
@@ -99,7 +97,6 @@ class BackwardTimer:
 
     def _end_backward(self) -> None:
         """End of a backward pass: close the calls whose inputs needed no gradient."""
-        self._end_queued = False
         if not self.active:
             return
         allocated = self._sampler.sample()

@@ -3,10 +3,33 @@ whose peaks the sampler raises as it reads memory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from memsentry.record.layers import LayerRecord
+
+
+class PassEnd:
+    """Runs ``callback`` once when the running backward pass ends, however often it is armed
+    during the pass (from inside autograd hooks)."""
+
+    __slots__ = ("_callback", "_queued")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._queued = False
+
+    def arm(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self._queued = False
+        self._callback()
 
 
 class BackwardCall:

@@ -248,7 +248,7 @@ class Recorder:
         if self.options.holders and boundary != Boundary.EXIT \
                 and census_due(self._clock.index):
             self._censuses.pending = self._clock.index
-        self._clock.advance(boundary, now)
+        self._clock.advance(now)
         sampler.peak = allocated
 
     def _census_roots(self) -> dict[str, Any]:

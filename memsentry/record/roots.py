@@ -11,6 +11,7 @@ import torch
 
 from memsentry.model import Location, UnusedGraph
 from memsentry.record.backward import grad_nodes
+from memsentry.record.calls import PassEnd
 from memsentry.record.timeline import IterationClock
 from memsentry.usercode.frames import user_site
 
@@ -21,11 +22,13 @@ MAX_RUNNING = 10_000
 class RootCall:
     """An outermost module call made with autograd on, until a backward reaches its output."""
 
-    __slots__ = ("eval_mode", "generation", "handles", "name", "saved", "used", "where")
+    __slots__ = ("eval_mode", "generation", "handles", "name", "pass_end", "saved", "used",
+                 "where")
 
     def __init__(self, name: str, eval_mode: bool, saved: int | None,
-                 where: Location | None, generation: int) -> None:
+                 where: Location | None, generation: int, pass_end: PassEnd | None) -> None:
         self.generation = generation
+        self.pass_end = pass_end
         self.name = name
         self.eval_mode = eval_mode
         self.saved = saved
@@ -34,7 +37,10 @@ class RootCall:
         self.where = where
 
     def mark_used(self, _grad_outputs: Any) -> None:
+        """A backward pass reached the call's output; its end is reported when it comes."""
         self.used = True
+        if self.pass_end is not None:
+            self.pass_end.arm()
 
     def fold_into(self, known: UnusedGraph | None) -> UnusedGraph:
         """This unused call added to what is ``known`` of its module's unused calls."""
@@ -59,8 +65,7 @@ class RootCalls:
     def __init__(self, clock: IterationClock,
                  backward_done: Callable[[], None] | None = None) -> None:
         self._clock = clock
-        self._backward_done = backward_done
-        self._done_queued = False
+        self._pass_end = PassEnd(backward_done) if backward_done is not None else None
         self._running: list[RootCall] = []
         self._unused: dict[str, UnusedGraph] = {}
 
@@ -72,22 +77,9 @@ class RootCalls:
             return
         if len(self._running) >= MAX_RUNNING:  # no boundary settles them (inference)
             self.settle(everything=True)
-        call = RootCall(name, eval_mode, saved, user_site(), self._clock.index)
+        call = RootCall(name, eval_mode, saved, user_site(), self._clock.index, self._pass_end)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
-        if self._backward_done is not None:
-            call.handles += [node.register_prehook(self._reached) for node in nodes]
         self._running.append(call)
-
-    def _reached(self, _grad_outputs: Any) -> None:
-        """A backward pass reached an outermost output: report when the pass ends."""
-        if not self._done_queued:
-            self._done_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
-
-    def _pass_ended(self) -> None:
-        self._done_queued = False
-        if self._backward_done is not None:
-            self._backward_done()
 
     def settle(self, *, everything: bool = False) -> None:
         """An iteration ended: the calls made before it (all calls, with ``everything``) are

@@ -30,21 +30,20 @@ class Sampler:
         self._forward = forward
         self._backward = backward
         self._clock = clock
-        self.in_ops = False  # also sample at saved-tensor packs (cheap backends only)
+        self.in_ops = False  # mallinfo2: also sample at saved-tensor packs, and watch its cost
         self.baseline = 0
         self.last = 0  # allocated at the newest sample
         self.peak = 0  # highest allocated in the running iteration
         self.own = 0  # allocated memory memsentry's censuses added (their records) or freed (gc)
         self.coarse = False  # sample at iteration boundaries only (mallinfo2 became slow)
         self.coarse_note: str | None = None
-        self._watch = False
         self._samples = 0
         self._sample_time = 0.0
 
     def start(self, backend: MemoryBackend) -> None:
         backend.start()
         self.backend = backend
-        self._watch = self.in_ops = isinstance(backend, MallinfoBackend)
+        self.in_ops = isinstance(backend, MallinfoBackend)
         self.baseline = self.last = self.peak = backend.allocated()
 
     def sample(self, *, boundary: bool = False) -> int:
@@ -53,7 +52,7 @@ class Sampler:
         assert backend is not None
         if self.coarse and not boundary:
             return self.last
-        if self._watch:
+        if self.in_ops:  # mallinfo2: watch its cost, which grows with fragmentation
             started = time.perf_counter()
             allocated, peak = backend.sample()
             self._sample_time += time.perf_counter() - started
@@ -84,7 +83,7 @@ class Sampler:
         """mallinfo2() became slow (the heap fragmented while the loop ran): from now on sample
         only at iteration boundaries, so that tracking cannot slow training down."""
         self.coarse = True
-        self.in_ops = self._watch = False
+        self.in_ops = False
         self.coarse_note = (
             f"From iteration {self._clock.index} glibc mallinfo2() took "
             f"{self._sample_time / SAMPLE_WINDOW * 1e6:.0f} us a call on average (a "

@@ -29,7 +29,6 @@ class IterationClock:
         self.calls = 0
         self.data_seconds: float | None = None
         self.batch: int | None = None
-        self.last_boundary: Boundary | None = None
 
     def module_called(self, args: Any, *, outermost: bool) -> None:
         if not self.calls:
@@ -47,13 +46,12 @@ class IterationClock:
             data_seconds=self.data_seconds, batch=self.batch,
         )
 
-    def advance(self, boundary: Boundary, now: float) -> None:
+    def advance(self, now: float) -> None:
         """Begin the next iteration at ``now`` (after what the boundary's own work took)."""
         self.index += 1
         self.started = now
         self.calls = 0
         self.data_seconds = self.batch = None
-        self.last_boundary = boundary
 
 
 @dataclass
