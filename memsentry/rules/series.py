@@ -89,11 +89,12 @@ class Trend:
         if (len(latest) >= MIN_CENSUSES and self._rises_in(first, last) >= MIN_RISES
                 and latest[-1] - latest[0] >= at_least and latest[-1] > latest[-2]):
             return True
-        return self.saws(at_least=at_least)
+        return self.saws(at_least=at_least, runs=runs)
 
-    def saws(self, *, at_least: float = 2) -> bool:
-        """Grew by ``at_least`` within a window of two rises or more, fell, and grew again."""
-        runs = self.windows()
+    def saws(self, *, at_least: float = 2, runs: list[tuple[int, int]] | None = None) -> bool:
+        """Grew by ``at_least`` within a window of two rises or more, fell, and grew again
+        (``runs``: the windows, when the caller has them)."""
+        runs = self.windows() if runs is None else runs
         if len(runs) < 2:
             return False
         grew = [self._rises_in(a, b) >= MIN_RISES
