@@ -44,8 +44,16 @@ from memsentry.measure.storage import StorageCounter
 from memsentry.model import HeldTensor, HolderKind, Location, Scope, ScopeKind, Step, StepKind
 from memsentry.units import format_bytes
 from memsentry.usercode.lines import short_path
+from pytest_memsentry.cycles import kept_by_autograd
 from pytest_memsentry.marks import Limits
-from pytest_memsentry.results import TOP, DeviceFigures, LeakedTensor, Measurement, plural
+from pytest_memsentry.results import (
+    TOP,
+    DeviceFigures,
+    LeakedTensor,
+    Measurement,
+    plural,
+)
+from pytest_memsentry.threads import ThreadWatch
 
 #: Seconds the holder search may take for all the listed tensors of one test together.
 HOLDER_BUDGET = 1.0
@@ -205,6 +213,8 @@ class Window:
         self._new_fixtures: set[Any] = set()
         self._stack: list[tuple[set[int], dict[int, int], dict[int, int]]] = []
         self._owned: dict[int, str] = {}  # storage pointer -> the fixture that made it
+        self._kept: dict[int, int] = {}  # CPU storages left behind -> bytes, after finish()
+        self._threads: ThreadWatch | None = None
 
     def start(self) -> None:
         """Before setup: note the modules imported, settle and read CUDA, start counting."""
@@ -220,12 +230,15 @@ class Window:
             self._alive_fixtures = {f for f in self._fixture_growth if _alive(f)}
         self._counter = StorageCounter(sites=True, other_devices=bool(self._cuda_start))
         self._counter.__enter__()
+        self._threads = ThreadWatch(self._counter)
         self._active = True
 
     def _stop(self) -> None:
         if self._active and self._counter is not None:
             self._active = False
             self._counter.__exit__(None, None, None)
+            if self._threads is not None:
+                self._threads.stop()
 
     def abort(self) -> None:
         """Stop counting without measuring (a skipped test, an interrupted run)."""
@@ -260,10 +273,20 @@ class Window:
             self._new_fixtures.add(fixturedef)
 
     # -- after teardown ----------------------------------------------------------------------
-    def finish(self, item: pytest.Item, limits: Limits, *, judged: bool) -> Measurement:
-        """After teardown: the figures, and for a judged test over its limit, the largest
-        leaked tensors with their holders. A test that is not judged (it failed) gets raw
-        figures only: its traceback keeps its frames alive, so there is nothing to search."""
+    def still_kept(self) -> int:
+        """Bytes of the CPU storages :meth:`finish` counted as left behind that are still
+        alive now (a second run of the test may have replaced them)."""
+        counter = self._counter
+        assert counter is not None
+        live = counter.live
+        return sum(size for pointer, size in self._kept.items() if pointer in live)
+
+    def finish(self, item: pytest.Item, limits: Limits, *, judged: bool,
+               holders: bool = True) -> Measurement:
+        """After teardown: the figures, and for a judged test over its limit (with
+        ``holders``), the largest leaked tensors with their holders. A test that is not
+        judged (it failed) gets raw figures only: its traceback keeps its frames alive, so
+        there is nothing to search."""
         self._stop()
         counter = self._counter
         assert counter is not None
@@ -286,6 +309,7 @@ class Window:
                          f"({plural(len(once), 'tensor')}) made by modules first imported "
                          "during the test (a one-time initialisation)")
             candidates = {p: v for p, v in candidates.items() if p not in once}
+        self._kept = {p: v[1] for p, v in candidates.items() if v[0] == "cpu"}
         devices = [DeviceFigures(
             "cpu", sum(v[1] for v in candidates.values() if v[0] == "cpu"), counter.peak,
             sum(1 for v in candidates.values() if v[0] == "cpu"),
@@ -293,7 +317,7 @@ class Window:
         if self._cuda_start:
             adjust = self._cuda_adjustment(once)
             devices += self._cuda_figures(candidates, adjust, limits, judged=judged)
-        if not judged or not any(d.leaked > limits.max_leak for d in devices):
+        if not (judged and holders) or not any(d.leaked > limits.max_leak for d in devices):
             return Measurement(tuple(devices), notes=tuple(notes))
         over = {d.device for d in devices if d.leaked > limits.max_leak}
         ranked = sorted(((p, v) for p, v in candidates.items() if v[0] in over),
@@ -301,15 +325,20 @@ class Window:
         shown = ranked[:TOP]
         roots = holder_roots(item)
         budget = HOLDER_BUDGET / max(1, len(shown))
-        tensors = []
+        tensors: list[LeakedTensor] = []
         incomplete = False
+        unreached = []
         for pointer, (device, size, site) in shown:
             found, complete = find_holders({pointer}, roots, budget=budget)
             incomplete |= not complete
             tensor, holder = _describe(found[0]) if found else (None, None)
+            if not found:
+                unreached.append(len(tensors))
             tensors.append(LeakedTensor(size, device, tensor, holder,
                                         str(site) if site is not None else None,
                                         grad_fn=bool(found) and found[0].grad_fn))
+        if unreached:
+            tensors = kept_by_autograd(tensors, unreached, [p for p, _v in shown])
         if incomplete:
             notes.append(f"the holder search stopped after {HOLDER_BUDGET:g} s: some holders "
                          "may be missing")

@@ -30,7 +30,19 @@ from _pytest.runner import runtestprotocol
 
 from memsentry.units import parse_size
 from pytest_memsentry.marks import MARKERS, Limits, limits_for, marker_help
-from pytest_memsentry.results import NAME, figures_of, judge, not_judged, summary
+from pytest_memsentry.repeat import Pending, run_twice
+from pytest_memsentry.results import (
+    NAME,
+    RETAINED,
+    Repeat,
+    figures_of,
+    judge,
+    leaking,
+    not_judged,
+    retained_of,
+    retained_summary,
+    summary,
+)
 
 if TYPE_CHECKING:
     from memsentry import Tracker
@@ -51,10 +63,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--memsentry-max-peak", metavar="SIZE", default=None,
                     help="the most a test may allocate at once per device, e.g. '2 GiB' "
                          "(default no limit; ini memsentry_max_peak)")
+    group.addoption("--memsentry-strict", action="store_true", default=False,
+                    help="fail tests for any memory they leave allocated; by default a "
+                         "test that leaks is run a second time and fails only if that run "
+                         "keeps more again (memory retained once is listed, not failed)")
     group.addoption("--memsentry-report", action="store_true", default=False,
                     help="print the tests with the largest leaks and peaks at the end")
     parser.addini("memsentry", "check every test for memory leaks (as --memsentry)",
                   type="bool", default=False)
+    parser.addini("memsentry_strict", "fail for memory retained once too (as "
+                  "--memsentry-strict)", type="bool", default=False)
     parser.addini("memsentry_max_leak", "default of --memsentry-max-leak", default="")
     parser.addini("memsentry_max_peak", "default of --memsentry-max-peak", default="")
 
@@ -96,7 +114,12 @@ class Manager:
         self.defaults = defaults
         self.enabled = enabled
         self.report = bool(config.getoption("memsentry_report"))
+        self.strict = bool(config.getoption("memsentry_strict")
+                           or config.getini("memsentry_strict"))
         self.results: list[tuple[str, Any]] = []
+        self.retained: list[tuple[str, str]] = []  # (nodeid, verdict) of tests that kept
+        # memory once: listed at the end, failed only under --memsentry-strict
+        self.pending: list[Pending] = []  # tests that left memory behind, to repeat
         self.cuda: CudaApi | None = None  # torch.cuda, once a test is measured
         self.window: Window | None = None
         self.fixture_growth: dict[Any, dict[int, int]] = {}
@@ -143,8 +166,6 @@ class Manager:
                           pytest.PytestWarning, stacklevel=1)
             window.abort()
             return None
-        ihook = item.ihook
-        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         self.window = window
         try:
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
@@ -153,23 +174,49 @@ class Manager:
             raise
         finally:
             self.window = None
-        self._judge(item, window, limits, reports)
-        for report in reports:
-            ihook.pytest_runtest_logreport(report=report)
-        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        pending = self._judge(item, window, limits, reports)
+        if pending is not None and hasattr(self.config, "workerinput"):
+            # A pytest-xdist worker reports each test while it is the one running, so the
+            # repeats come at once (tests that rely on each other's state already cannot
+            # count on their order under xdist).
+            self._conclude(pending, run_twice(pending, self))
+        elif pending is not None:
+            self.pending.append(pending)  # judged and logged when every test has run
+            return True
+        _log(item, reports)
         return True
 
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, Any, None]:
+        """When every test has run: run each test that left memory behind twice more, to tell
+        growth from memory retained once, then log its outcome. Run at the end, the repeats
+        cannot change what a later test sees."""
+        outcome = yield
+        if not self.pending:
+            return
+        interrupted = outcome.excinfo is not None or bool(session.shouldstop)
+        pending, self.pending = self.pending, []
+        for entry in pending:
+            if interrupted:
+                repeat = Repeat({}, "the run was interrupted before it could be repeated")
+            else:
+                repeat = run_twice(entry, self)
+            self._conclude(entry, repeat)
+            _log(entry.item, entry.reports)
+
     def _judge(self, item: pytest.Item, window: Window, limits: Limits,
-               reports: list[pytest.TestReport]) -> None:
-        """Measure after teardown and put the verdict on the call report."""
+               reports: list[pytest.TestReport]) -> Pending | None:
+        """Measure after teardown and put the verdict on the call report; a test that left
+        memory behind is returned, to be repeated when every test has run (unless
+        ``--memsentry-strict``, which fails it now)."""
         if any(r.skipped for r in reports):
             window.abort()
-            return
+            return None
         call = next((r for r in reports if r.when == "call"), None)
         failed = next((r for r in reports if r.failed), None)
         if call is None and failed is None:  # --setup-only
             window.abort()
-            return
+            return None
         xpassed = call is not None and hasattr(call, "wasxfail")
         judged = failed is None and not xpassed
         try:
@@ -178,28 +225,40 @@ class Manager:
             window.abort()
             warnings.warn(f"memsentry could not measure {item.nodeid}: {error!r}",
                           pytest.PytestWarning, stacklevel=1)
-            return
+            return None
         target = failed or call
         assert target is not None
-        verdict = "passed"
+        entry = Pending(item, limits, measurement, reports, target)
+        if judged and not self.strict and leaking(measurement, limits):
+            return entry
         if judged:
-            check, notes = judge(measurement, limits)
-            for note in notes:
-                warnings.warn(note, _leak_warning(), stacklevel=1)
-            if check is not None:
-                verdict = check.status
+            self._conclude(entry, None)
+            return None
+        reason = ("the test xpassed (an expected failure)" if xpassed else
+                  "the test failed, and its traceback keeps its frames (and their "
+                  "tensors) alive")
+        detail = not_judged(measurement, limits, reason)
+        if detail is not None:
+            target.sections.append((NAME, detail))
+        target.user_properties.append((NAME, measurement.figures("not judged")))
+        return None
+
+    def _conclude(self, entry: Pending, repeat: Repeat | None) -> None:
+        """The verdict on a test that passed (``repeat``: what its repeats kept)."""
+        target = entry.target
+        check, notes = judge(entry.measurement, entry.limits, repeat)
+        for note in notes:
+            warnings.warn(note, _leak_warning(), stacklevel=1)
+        verdict = "passed"
+        if check is not None:
+            verdict = check.status
+            target.sections.append((NAME, check.section))
+            if check.fails:
                 target.outcome = "failed"
                 target.longrepr = check.long_repr
-                target.sections.append((NAME, check.section))
-        else:
-            verdict = "not judged"
-            reason = ("the test xpassed (an expected failure)" if xpassed else
-                      "the test failed, and its traceback keeps its frames (and their "
-                      "tensors) alive")
-            detail = not_judged(measurement, limits, reason)
-            if detail is not None:
-                target.sections.append((NAME, detail))
-        target.user_properties.append((NAME, measurement.figures(verdict)))
+            else:
+                target.user_properties.append((RETAINED, check.long_repr))
+        target.user_properties.append((NAME, entry.measurement.figures(verdict)))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]
@@ -226,17 +285,32 @@ class Manager:
         return STATUS.get(figures.get("verdict", ""))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        retained = retained_of(report.user_properties)
+        if retained is not None:
+            self.retained.append((report.nodeid, retained))
         if self.report:
             figures = figures_of(report.user_properties)
             if figures is not None:
                 self.results.append((report.nodeid, figures))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.retained:
+            terminalreporter.write_sep("=", "memsentry: memory retained once")
+            for line in retained_summary(self.retained):
+                terminalreporter.write_line(line)
         if not self.report:
             return
         terminalreporter.write_sep("=", "memsentry report")
         for line in summary(self.results):
             terminalreporter.write_line(line)
+
+
+def _log(item: pytest.Item, reports: list[pytest.TestReport]) -> None:
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in reports:
+        ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
 
 def _leak_warning() -> type[Warning]:

@@ -15,6 +15,8 @@ from pytest_memsentry.marks import Limits
 TOP = 10
 #: The name of the report section and of the ``user_properties`` entry.
 NAME = "memsentry"
+#: The ``user_properties`` entry of a test that retained memory once: its one-line verdict.
+RETAINED = "memsentry-retained"
 
 LEAK_FIX = (
     "fix: release what keeps them when the test ends (del it, .clear() the container, or make "
@@ -28,6 +30,25 @@ GRAPH_NOTE = (
 )
 UNREACHED = "nothing memsentry reached (a closure, a hook, torch's own state?)"
 UNREACHED_WITH_GRAPHS = "not reached: saved for backward by a kept graph (grad_fn)?"
+AUTOGRAD_CYCLE = (
+    "a reference cycle inside autograd's graph (C++), which gc.collect() cannot free: an "
+    "in-place op on a tensor that requires grad"
+)
+CYCLE_NOTE = (
+    "note: an in-place op on a tensor that requires grad (`a += a * y`, `x[:, 1:] = "
+    "f(x[:, :-1])`) can make a cycle inside autograd's graph that only ends with the process: "
+    "write it out of place (`a = a + a * y`), or run it under torch.no_grad() when no gradient "
+    "is needed"
+)
+RETAINED_NOTE = (
+    "run a second time, the test kept no more ({again}): memory retained once (state "
+    "overwritten on every call, a cache filled on first use), not growth; it fails only "
+    "under --memsentry-strict"
+)
+UNREPEATED_NOTE = (
+    "the test could not be run a second time to tell growth from memory retained once "
+    "({error}), so it did not fail; it fails under --memsentry-strict"
+)
 PEAK_FIX = (
     "fix: allocate less at once (smaller inputs, free intermediates sooner, torch.no_grad() "
     "where no backward follows), or allow it: @pytest.mark.memsentry(max_peak={allow!r})"
@@ -89,6 +110,24 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """A flagged test run a second time: per device, the bytes the second run kept beyond
+    what the first run had left (``grown``), or why it could not be run again (``error``)."""
+
+    grown: dict[str, int]
+    error: str | None = None
+
+    def grows(self, device: str, limits: Limits) -> bool:
+        return self.error is None and self.grown.get(device, 0) > limits.max_leak
+
+    def figures(self) -> str:
+        if self.error is not None:
+            return self.error
+        grown = {d: b for d, b in self.grown.items() if b > 0} or {"cpu": 0}
+        return ", ".join(f"{format_bytes(b)} more on {d}" for d, b in grown.items())
+
+
+@dataclass(frozen=True)
 class Check:
     """A failed check: ``long_repr`` is the one-line verdict pytest shows for the test,
     ``section`` the details (the report section titled ``memsentry``), ``status`` what failed
@@ -97,6 +136,10 @@ class Check:
     status: str
     long_repr: str
     section: str
+
+    @property
+    def fails(self) -> bool:
+        return self.status != "retained"
 
 
 def plural(count: int, word: str) -> str:
@@ -156,10 +199,16 @@ def _tensor_table(measurement: Measurement, devices: set[str]) -> list[str]:
 
     unreached = UNREACHED_WITH_GRAPHS if any(t.grad_fn for t in rows) else UNREACHED
     rows.sort(key=lambda t: (-t.bytes, t.holder is None, t.holder or ""))
+
+    def held_by(t: LeakedTensor) -> str:
+        if t.holder is None:
+            return unreached
+        named = t.holder != AUTOGRAD_CYCLE
+        return f"{t.holder}, with grad_fn" if t.grad_fn and named else t.holder
+
     table = tabulate(
-        [[format_bytes(t.bytes), t.tensor or "?", t.device,
-          (f"{t.holder}, with grad_fn" if t.grad_fn else t.holder) if t.holder else unreached,
-          t.site or "?"] for t in rows],
+        [[format_bytes(t.bytes), t.tensor or "?", t.device, held_by(t), t.site or "?"]
+         for t in rows],
         headers=["bytes", "tensor", "device", "held by", "allocated at"],
         tablefmt="simple", disable_numparse=True, colalign=("right",),
     )
@@ -169,13 +218,54 @@ def _tensor_table(measurement: Measurement, devices: set[str]) -> list[str]:
     return lines
 
 
-def judge(measurement: Measurement, limits: Limits) -> tuple[Check | None, list[str]]:
+def leaking(measurement: Measurement, limits: Limits) -> bool:
+    """Whether some device kept more than ``limits.max_leak`` (confirmed, on CUDA)."""
+    return any(_leaking(f, limits) and f.confirmed for f in measurement.devices)
+
+
+def judge(measurement: Measurement, limits: Limits,
+          repeat: Repeat | None = None) -> tuple[Check | None, list[str]]:
     """The verdict on a test that passed: a :class:`Check` when it leaked more than
     ``limits.max_leak`` or peaked above ``limits.max_peak`` on some device, else ``None``;
-    and warnings (CUDA allocator growth the driver did not confirm)."""
-    warnings = []
-    clauses = []
-    leaked = []
+    and warnings (CUDA allocator growth the driver did not confirm).
+
+    With ``repeat`` (the test run a second time), a leak fails only on the devices where the
+    second run kept more again; memory retained once gives a Check with status
+    ``"retained"``, which does not fail the test. Without it (``--memsentry-strict``) every
+    leak fails."""
+    leaked, clauses, warnings = _leaks(measurement, limits)
+    grew = [f for f in leaked if repeat is None or repeat.grows(f.device, limits)]
+    if repeat is not None:
+        if grew and repeat.error is None:
+            clauses.append(f"run again, it kept {repeat.figures()}: it grows with every run")
+        elif not grew and clauses:
+            clauses = [c.replace(" leaked on ", " retained on ", 1) for c in clauses]
+            named = [t.holder for t in measurement.tensors if t.holder][:2]
+            if named:
+                clauses[-1] += f" ({', '.join(named)})"
+    peaked = [f for f in measurement.devices if _peaking(f, limits)]
+    for figures in peaked:
+        clauses.append(f"peak {format_bytes(figures.peak)} on {figures.device} above the "
+                       f"limit of {format_bytes(limits.max_peak)} (max_peak)")
+    if not clauses:
+        return None, warnings
+    lines = [_device_line(f, limits) for f in measurement.devices]
+    lines += _tensor_table(measurement, {f.device for f in leaked})
+    lines += measurement.notes
+    lines += _notes(measurement, limits, leaked, peaked, repeat if not grew else None)
+    check = Check(
+        status="leaked" if grew else "peak" if peaked else "retained",
+        long_repr=f"{NAME}: " + "; ".join(clauses),
+        section="\n".join(lines),
+    )
+    return check, warnings
+
+
+def _leaks(measurement: Measurement, limits: Limits
+           ) -> tuple[list[DeviceFigures], list[str], list[str]]:
+    """The devices that kept more than the limit, a clause for each, and warnings for CUDA
+    allocator growth the driver did not confirm."""
+    leaked, clauses, warnings = [], [], []
     for figures in measurement.devices:
         if not _leaking(figures, limits):
             continue
@@ -190,27 +280,26 @@ def judge(measurement: Measurement, limits: Limits) -> tuple[Check | None, list[
                 "was not confirmed and the test was not failed; if it repeats, look for "
                 "tensors the test keeps"
             )
-    peaked = [f for f in measurement.devices if _peaking(f, limits)]
-    for figures in peaked:
-        clauses.append(f"peak {format_bytes(figures.peak)} on {figures.device} above the "
-                       f"limit of {format_bytes(limits.max_peak)} (max_peak)")
-    if not clauses:
-        return None, warnings
-    lines = [_device_line(f, limits) for f in measurement.devices]
-    lines += _tensor_table(measurement, {f.device for f in leaked})
-    lines += measurement.notes
-    if any(t.grad_fn for t in measurement.tensors):
+    return leaked, clauses, warnings
+
+
+def _notes(measurement: Measurement, limits: Limits, leaked: list[DeviceFigures],
+           peaked: list[DeviceFigures], retained: Repeat | None) -> list[str]:
+    """What the kept tensors mean and the fixes (``retained``: the second run that kept no
+    more)."""
+    lines = []
+    if any(t.holder == AUTOGRAD_CYCLE for t in measurement.tensors):
+        lines.append(CYCLE_NOTE)
+    if any(t.grad_fn and t.holder != AUTOGRAD_CYCLE for t in measurement.tensors):
         lines.append(GRAPH_NOTE)
+    if leaked and retained is not None:
+        lines.append(RETAINED_NOTE.format(again=retained.figures()) if retained.error is None
+                     else UNREPEATED_NOTE.format(error=retained.error))
     if leaked:
         lines.append(LEAK_FIX.format(allow=allowance(max(f.leaked for f in leaked))))
     if peaked:
         lines.append(PEAK_FIX.format(allow=allowance(max(f.peak for f in peaked))))
-    check = Check(
-        status="leaked" if leaked else "peak",
-        long_repr=f"{NAME}: " + "; ".join(clauses),
-        section="\n".join(lines),
-    )
-    return check, warnings
+    return lines
 
 
 def not_judged(measurement: Measurement, limits: Limits, reason: str) -> str | None:
@@ -231,6 +320,26 @@ def figures_of(user_properties: Iterable[Any]) -> Mapping[str, Any] | None:
         if len(entry) == 2 and entry[0] == NAME and isinstance(entry[1], Mapping):
             return entry[1]
     return None
+
+
+def retained_of(user_properties: Iterable[Any]) -> str | None:
+    """The one-line verdict of a test that retained memory once, or ``None``."""
+    for entry in user_properties:
+        if len(entry) == 2 and entry[0] == RETAINED and isinstance(entry[1], str):
+            return entry[1]
+    return None
+
+
+def retained_summary(entries: list[tuple[str, str]]) -> list[str]:
+    """The end-of-run list of the tests that kept memory once but not more on a second run:
+    not failed (``--memsentry-strict`` fails them), listed so that they are seen."""
+    lines = [f"{nodeid}: {verdict.removeprefix(NAME + ': ')}" for nodeid, verdict in entries]
+    lines.append(
+        f"{plural(len(entries), 'test')} kept memory after the first run but no more on a "
+        "second run (state overwritten on every call, a cache "
+        "filled on first use): not failed; --memsentry-strict fails them"
+    )
+    return lines
 
 
 def summary(entries: list[tuple[str, Mapping[str, Any]]], top: int = TOP) -> list[str]:
@@ -263,5 +372,23 @@ def summary(entries: list[tuple[str, Mapping[str, Any]]], top: int = TOP) -> lis
     return lines
 
 
-__all__ = ["NAME", "TOP", "Check", "DeviceFigures", "LeakedTensor", "Measurement", "allowance",
-           "figures_of", "judge", "not_judged", "plural", "summary"]
+__all__ = [
+    "AUTOGRAD_CYCLE",
+    "NAME",
+    "RETAINED",
+    "TOP",
+    "Check",
+    "DeviceFigures",
+    "LeakedTensor",
+    "Measurement",
+    "Repeat",
+    "allowance",
+    "figures_of",
+    "judge",
+    "leaking",
+    "not_judged",
+    "plural",
+    "retained_of",
+    "retained_summary",
+    "summary",
+]

@@ -21,6 +21,7 @@ from scenarios import (
     _batch,
     _setup,
 )
+from scenarios_windows import WINDOW_SCENARIOS
 from torch import nn
 
 import memsentry
@@ -271,7 +272,7 @@ VERDICT_SCENARIOS: tuple[Scenario, ...] = (
              "Classifier", inference_without_no_grad),
 )
 
-ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS
+ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + VERDICT_SCENARIOS + WINDOW_SCENARIOS
 
 
 # -- holders Python keeps inside functions ------------------------------------------------------
@@ -332,4 +333,4 @@ VERDICT_SCENARIOS += (
     Scenario("closure keeps tensors", "#3", "leak", "tensor-accumulation", LEAK,
              "log_step.__closure__[0].cell_contents", closure_keeps_tensors),
 )
-ALL_SCENARIOS = SCENARIOS + VERDICT_SCENARIOS
+ALL_SCENARIOS = SCENARIOS + VERDICT_SCENARIOS + WINDOW_SCENARIOS

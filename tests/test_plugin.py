@@ -9,6 +9,7 @@ subprocesses. CUDA logic is also exercised on CPU with a fake of the plugin's CU
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,17 @@ def lit(text: str) -> str:
 
 def output(result: pytest.RunResult) -> str:
     return result.stdout.str()
+
+
+def statuses(result: pytest.RunResult) -> dict[str, str]:
+    """Each test's status word in a ``-v`` run (``PASSED``, ``LEAKED``, ...), by name: tests
+    that left memory behind are repeated and reported when the others have run."""
+    found = {}
+    for line in result.stdout.lines:
+        match = re.match(r"\S+::(\S+) ([A-Z][A-Z ]+?)\s+\[", line)
+        if match:
+            found[match[1]] = match[2]
+    return found
 
 
 # -- leaks fail, with the verdict on one line and who holds what --------------------------------
@@ -93,16 +105,16 @@ def test_leaks_fail_with_a_one_line_verdict_naming_holder_and_line(pytester):
     pytester.makepyfile(test_leak=LEAKING)
     result = pytester.runpytest("--memsentry", "-v")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.assert_outcomes(failed=5)
-    result.stdout.fnmatch_lines([
-        "*::test_leak LEAKED*",
-        "*::test_into_session_fixture LEAKED*",
-        "*::TestKeeps::test_class_attribute LEAKED*",
-        "*::TestKeeps::test_instance_attribute LEAKED*",
-    ])
+    result.assert_outcomes(failed=4, passed=1)
+    assert statuses(result) == {
+        "test_leak": "LEAKED", "test_into_session_fixture": "LEAKED",
+        "test_class_attribute": "LEAKED", "test_graph": "LEAKED",
+        "test_instance_attribute": "PASSED",  # overwritten on every run: retained once
+    }
     result.stdout.fnmatch_lines([
         "*_ test_leak _*",
-        "memsentry: 4.0 MiB leaked on cpu (limit 0 B) by 2 tensors still alive after the test",
+        "memsentry: 4.0 MiB leaked on cpu (limit 0 B) by 2 tensors still alive after the test; "
+        "run again, it kept 4.0 MiB more on cpu: it grows with every run",
         "*- memsentry -*",
         "cpu: 4.0 MiB left allocated (limit 0 B), peak 4.0 MiB (no limit)",
         "*bytes*tensor*device*held by*allocated at*",
@@ -115,9 +127,16 @@ def test_leaks_fail_with_a_one_line_verdict_naming_holder_and_line(pytester):
     text = output(result)
     assert "fixture 'registry'[0] (session scope fixture)" in text
     assert "TestKeeps.kept[0] (class attribute)" in text
-    assert "self.big (test instance; pytest keeps it until the session ends)" in text
     result.stdout.fnmatch_lines([
-        "memsentry: 1.5 KiB leaked on cpu (limit 0 B) by 3 tensors still alive after the test",
+        "*= memsentry: memory retained once =*",
+        "test_leak.py::TestKeeps::test_instance_attribute: 64 KiB retained on cpu (limit 0 B) "
+        "by 1 tensor still alive after the test (self.big (test instance; pytest keeps it "
+        "until the session ends))",
+        "1 test kept memory after the first run but no more on a second run*not failed; "
+        "--memsentry-strict fails them",
+    ])
+    result.stdout.fnmatch_lines([
+        "memsentry: 1.5 KiB leaked on cpu (limit 0 B) by 3 tensors still alive after the test*",
         "*1.0 KiB  ?*cpu*not reached: saved for backward by a kept graph (grad_fn)?*"
         "test_leak.py:35",
         "*256 B  float32[[]4, 16[]]*HISTORY[[]0[]] (global in test_leak.py), with grad_fn*"
@@ -128,6 +147,13 @@ def test_leaks_fail_with_a_one_line_verdict_naming_holder_and_line(pytester):
     result.stdout.fnmatch_lines([
         "LEAKED test_leak.py::test_leak - memsentry: 4.0 MiB leaked on cpu (limit 0 B)*",
     ])
+    strict = pytester.runpytest("--memsentry", "--memsentry-strict", "-v")
+    strict.assert_outcomes(failed=5)
+    assert statuses(strict)["test_instance_attribute"] == "LEAKED"
+    strict.stdout.fnmatch_lines([
+        "memsentry: 64 KiB leaked on cpu (limit 0 B) by 1 tensor still alive after the test",
+    ])
+    assert "run again" not in output(strict) and "retained once" not in output(strict)
 
 
 def test_progress_letter_and_a_leak_nobody_reachable_holds(pytester):
@@ -149,7 +175,13 @@ def test_progress_letter_and_a_leak_nobody_reachable_holds(pytester):
         def test_cached():
             assert table(1000).sum() == 1000
     """)
-    result = pytester.runpytest("--memsentry")
+    result = pytester.runpytest("--memsentry")  # a cache filled once: retained, not failed
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "test_letters.py::test_cached: 3.9 KiB retained on cpu (limit 0 B) by 1 tensor still "
+        "alive after the test",
+    ])
+    result = pytester.runpytest("--memsentry", "--memsentry-strict")
     result.stdout.fnmatch_lines(["test_letters.py .L*"])
     result.stdout.fnmatch_lines([
         "memsentry: 3.9 KiB leaked on cpu (limit 0 B) by 1 tensor still alive after the test",
@@ -268,7 +300,8 @@ def test_a_fixture_keeping_the_tests_tensor_and_its_own(pytester):
     result = pytester.runpytest("--memsentry")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines([
-        "memsentry: 8.0 KiB leaked on cpu (limit 0 B) by 1 tensor still alive after the test",
+        "memsentry: 8.0 KiB leaked on cpu (limit 0 B) by 1 tensor still alive after the test; "
+        "run again, it kept 8.0 KiB more on cpu: it grows with every run",
         "*fixture 'store'[[]1[]] (module scope fixture)*test_fixture_leak.py:11",
         "not counted: 4.0 KiB (1 tensor) made by fixture 'store' (module scope) while it was "
         "set up: the fixture keeps it until its scope ends",
@@ -402,12 +435,10 @@ def test_the_closest_marker_decides_and_limits_merge(pytester):
     """)
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=2, failed=2)
-    result.stdout.fnmatch_lines([
-        "*::TestOff::test_off PASSED*",
-        "*::TestOff::test_back_on LEAKED*",
-        "*::TestLimits::test_small_leak_big_peak PEAK EXCEEDED*",
-        "*::TestLimits::test_small_leak PASSED*",
-    ])
+    assert statuses(result) == {
+        "test_off": "PASSED", "test_back_on": "LEAKED",
+        "test_small_leak_big_peak": "PEAK EXCEEDED", "test_small_leak": "PASSED",
+    }
     result.stdout.fnmatch_lines([
         "memsentry: peak 4.0 MiB on cpu above the limit of 1.0 MiB (max_peak)",
         "cpu: 4.0 KiB left allocated (limit 8.0 KiB), peak 4.0 MiB (limit 1.0 MiB)",
@@ -440,7 +471,7 @@ def test_ini_turns_it_on_and_the_command_line_wins(pytester):
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "test_ini.py .L*",
-        "memsentry: 2.0 MiB leaked on cpu (limit 1.0 MiB) by 1 tensor still alive after the test",
+        "memsentry: 2.0 MiB leaked on cpu (limit 1.0 MiB) by 1 tensor still alive after the test*",
     ])
     result = pytester.runpytest("--memsentry-max-leak=0")
     result.assert_outcomes(failed=2)
@@ -700,19 +731,16 @@ def test_cuda_leaks_fail_only_when_the_driver_confirms_them(pytester):
     """)
     result = pytester.runpytest("-v", "--memsentry")
     result.assert_outcomes(passed=5, failed=3)
-    result.stdout.fnmatch_lines([
-        "*::test_confirmed LEAKED*",
-        "*::test_on_second_device LEAKED*",
-        "*::test_allocator_only PASSED*",
-        "*::test_driver_only PASSED*",
-        "*::test_transient PASSED*",
-        "*::test_peak PEAK EXCEEDED*",
-        "*::test_cuda_turned_off_here PASSED*",
-        "*::test_initialises_cuda PASSED*",
-    ])
+    assert statuses(result) == {
+        "test_confirmed": "LEAKED", "test_on_second_device": "LEAKED",
+        "test_allocator_only": "PASSED", "test_driver_only": "PASSED",
+        "test_transient": "PASSED", "test_peak": "PEAK EXCEEDED",
+        "test_cuda_turned_off_here": "PASSED", "test_initialises_cuda": "PASSED",
+    }
     result.stdout.fnmatch_lines([
         "memsentry: 4.0 MiB leaked on cuda:0 (limit 0 B) still allocated after the test, "
-        "confirmed by the driver (+4.0 MiB used)",
+        "confirmed by the driver (+4.0 MiB used); run again, it kept 4.0 MiB more on cuda:0: "
+        "it grows with every run",
         "cpu: 0 B left allocated (limit 0 B), *",
         "cuda:0: 4.0 MiB left allocated (limit 0 B), peak 4.0 MiB (no limit); the driver "
         "reports 4.0 MiB more used",
@@ -759,11 +787,10 @@ def test_cuda_memory_of_wider_fixtures_is_theirs(pytester):
     """)
     result = pytester.runpytest("-v", "--memsentry")
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines([
-        "*::test_first_use PASSED*",
-        "*::test_last_use_leaks LEAKED*",
-        "*::test_after_the_module PASSED*",
-    ])
+    assert statuses(result) == {
+        "test_first_use": "PASSED", "test_last_use_leaks": "LEAKED",
+        "test_after_the_module": "PASSED",
+    }
     result.stdout.fnmatch_lines(["memsentry: 2.0 MiB leaked on cuda:0 (limit 0 B)*"])
 
 
@@ -861,3 +888,144 @@ def test_allowance_reads_back_at_least_the_value():
 
 def test_summary_without_measurements_says_how_to_get_some():
     assert summary([])[0].startswith("no test was measured")
+
+
+# -- growth or memory retained once (issue 10) -----------------------------------------------
+ONCE_OR_GROWING = """
+    import functools
+
+    import torch
+
+    HISTORY = []
+
+
+    class Scorer:
+        def __init__(self):
+            self.last = None
+
+        def __call__(self, x):
+            self.last = x.argmax(-1)          # overwritten on every call
+            return self.last
+
+
+    class TestScorer:
+        scorer = Scorer()                     # created once per class
+
+        def test_scores(self):
+            assert self.scorer(torch.randn(64, 1000)).shape == (64,)
+
+
+    @functools.lru_cache
+    def positions(n):
+        return torch.arange(n, dtype=torch.float32)
+
+
+    def test_cache_filled_on_first_use():
+        assert positions(4096)[-1] == 4095
+
+
+    def test_grows():
+        HISTORY.append(torch.ones(1000))
+
+
+    def test_sees_one_entry():                # a repeat run at once would make it fail
+        assert len(HISTORY) == 1
+"""
+
+
+def test_only_growth_fails_by_default_and_strict_fails_what_was_kept_once(pytester):
+    pytester.makepyfile(test_once=ONCE_OR_GROWING)
+    result = pytester.runpytest("--memsentry", "-v")
+    result.assert_outcomes(passed=3, failed=1)
+    assert statuses(result) == {
+        "test_scores": "PASSED", "test_cache_filled_on_first_use": "PASSED",
+        "test_grows": "LEAKED", "test_sees_one_entry": "PASSED",
+    }
+    result.stdout.fnmatch_lines([
+        "memsentry: 3.9 KiB leaked on cpu (limit 0 B) by 1 tensor still alive after the test; "
+        "run again, it kept 3.9 KiB more on cpu: it grows with every run",
+    ])
+    result.stdout.fnmatch_lines([
+        "*= memsentry: memory retained once =*",
+        "test_once.py::TestScorer::test_scores: 512 B retained on cpu (limit 0 B) by 1 tensor "
+        "still alive after the test (TestScorer.scorer.last (class attribute))",
+        "test_once.py::test_cache_filled_on_first_use: 16 KiB retained on cpu*",
+        "2 tests kept memory after the first run but no more on a second run*",
+    ])
+    strict = pytester.runpytest("--memsentry", "--memsentry-strict", "-v")
+    strict.assert_outcomes(passed=1, failed=3)
+    assert statuses(strict)["test_sees_one_entry"] == "PASSED"
+    assert "retained once" not in output(strict)
+
+
+def test_strict_from_the_ini_file(pytester):
+    pytester.makeini("[pytest]\nmemsentry = true\nmemsentry_strict = true\n")
+    pytester.makepyfile(test_once=ONCE_OR_GROWING)
+    pytester.runpytest().assert_outcomes(passed=1, failed=3)
+
+
+def test_a_test_that_fails_when_repeated_is_not_failed_for_memory(pytester):
+    pytester.makepyfile(test_once_only="""
+        import torch
+
+        KEPT = []
+
+
+        def test_only_once():
+            assert not KEPT, "this test cannot run twice"
+            KEPT.append(torch.ones(1000))
+    """)
+    result = pytester.runpytest("--memsentry")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "test_once_only.py::test_only_once: 3.9 KiB retained on cpu*",
+    ])
+    assert "its call failed when it was run again" in output(pytester.runpytest(
+        "--memsentry", "-rA"))
+
+
+def test_a_cycle_inside_autograds_graph_is_named(pytester):
+    pytester.makepyfile(test_cycle="""
+        import torch
+
+
+        def test_in_place_on_a_tensor_that_requires_grad():
+            scale = torch.nn.Linear(1, 1)(torch.tensor([[2.0]]))
+            acc = torch.ones(1, 1)
+            acc += acc * scale                    # pytorch/pytorch#105147
+    """)
+    result = pytester.runpytest("--memsentry")
+    result.assert_outcomes(failed=1)
+    text = output(result)
+    assert "a reference cycle inside autograd's graph (C++), which gc.collect() cannot " \
+           "free" in text
+    assert "write it out of place (`a = a + a * y`)" in text
+    assert "nothing memsentry reached" not in text
+
+
+def test_tensors_made_in_another_thread_are_counted(pytester):
+    pytester.makepyfile(test_thread="""
+        import threading
+
+        import torch
+
+        RESULTS = []
+
+
+        def test_worker_thread_keeps_a_tensor():
+            worker = threading.Thread(target=lambda: RESULTS.append(torch.ones(2048)))
+            worker.start()
+            worker.join()
+
+
+        def test_thread_that_frees_its_tensor():
+            worker = threading.Thread(target=lambda: torch.ones(2048).sum())
+            worker.start()
+            worker.join()
+    """)
+    result = pytester.runpytest("--memsentry", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    assert statuses(result)["test_worker_thread_keeps_a_tensor"] == "LEAKED"
+    result.stdout.fnmatch_lines([
+        "*8.0 KiB  float32[[]2048[]]  cpu       RESULTS[[]0[]] (global in test_thread.py)*",
+    ])

@@ -20,7 +20,8 @@ LEAK, HINT = memsentry.Severity.LEAK, memsentry.Severity.HINT
     ((1, 2, 3, 5, 5), False),              # filled up, then flat: a window, not a leak
     ((3, 4, 5, 7, 8, 8), False),           # a deque(maxlen=8) seen filling, then full
     ((2, 3, 4, 6, 1, 9), True),            # a sawtooth: grew, was cleared, grows again
-    ((2, 3, 4, 6, 1, 1), False),           # grew once, cleared, nothing since
+    ((2, 3, 4, 6, 1, 1), True),            # a whole tooth: grew for an epoch, then reset
+    ((2, 3, 4, 6, 1, 2), True),            # the census after the reset saw little
     ((2, 3, 2, 3, 2, 3), False),           # noise around a level
     ((1, 2), False),                       # too few censuses to judge
     ((5, 1, 2, 3, 4), True),               # a fall long ago does not veto what follows

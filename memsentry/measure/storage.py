@@ -51,6 +51,15 @@ class StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        return self.dispatch(func, args, kwargs)
+
+    def in_thread(self) -> ThreadCounter:
+        """A mode to enter in another thread (dispatch modes are per thread) that counts into
+        this counter."""
+        return ThreadCounter(self)
+
+    def dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run one op and count the storages it made."""
         kwargs = kwargs or {}
         # Views and in-place results share an input's storage: not new memory, and when the
         # input predates tracking it belongs to the baseline.
@@ -108,6 +117,23 @@ class StorageCounter(TorchDispatchMode):
         self.current -= self.live.pop(key, 0)
         if self.sites is not None:
             self.sites.pop(key, None)
+
+
+class ThreadCounter(TorchDispatchMode):
+    """A :class:`StorageCounter`'s stand-in on another thread: counts into it while
+    ``counting`` is set, and only runs the ops after that (a thread may outlive the
+    measurement it was started in)."""
+
+    def __init__(self, parent: StorageCounter) -> None:
+        super().__init__()
+        self.parent = parent
+        self.counting = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if self.counting:
+            return self.parent.dispatch(func, args, kwargs)
+        return func(*args, **(kwargs or {}))
 
 
 class StorageBackend:

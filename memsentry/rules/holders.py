@@ -24,6 +24,7 @@ from memsentry.rules.series import (
     describe_holder,
     growth_rate,
     holder_series,
+    latest,
     per_iteration,
     sawtooth_note,
     trend,
@@ -34,6 +35,9 @@ ACCUMULATION = "tensor-accumulation"
 RETAINED_GRAPH = "retained-graph"
 
 
+#: Bytes a step that a container emptied every epoch must gain, when it holds no autograd
+#: graph, before its teeth alone make a leak (a flushed buffer of scalars does not).
+TOOTH_BYTES = 64 * 1024
 #: The step from an exception to its traceback.
 TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
 #: Names under which IPython keeps cell results in a notebook's namespace.
@@ -74,14 +78,15 @@ def retained_graph(report: ReportData) -> list[Finding]:
     censuses, table = holder_series(report)
     findings = []
     for row in table.values():
-        last = row[-1]
+        last = latest(row)
         if last is None or not last.graph_tensors:
             continue
         nodes = trend(censuses, row, lambda h: h.graph_nodes)
         count = trend(censuses, row, _count)
         growing = nodes.climbs() and not count.climbs()
         saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
-        kept = len(nodes.values) >= 2 and all(h is not None and h.graph_tensors for h in row[-2:])
+        kept = len(nodes.values) >= 2 and all(h is not None and h.graph_tensors
+                                              for h in row[-2:])
         if last.kind == HolderKind.GRADIENT and (growing or kept):
             findings.append(_gradient_finding(last, nodes, saved, growing))
             continue
@@ -89,9 +94,10 @@ def retained_graph(report: ReportData) -> list[Finding]:
             if kept and not count.climbs() and _is_attribute(last):
                 findings.append(_pinned_graph(last))
             continue
+        most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
         message = (
             f"{describe_holder(last)} keeps the autograd graph of every iteration: "
-            f"{last.graph_nodes:,} graph nodes at iteration {nodes.iterations[-1]}, "
+            f"{int(nodes.values[most]):,} graph nodes at iteration {nodes.iterations[most]}, "
             f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
         )
         if last.graph_saved_bytes:
@@ -195,10 +201,11 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     censuses, table = holder_series(report)
     groups: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
     for path, row in table.items():
-        last = row[-1]
-        if last is not None and last.bound is not None:
+        last = latest(row)
+        if last is None or last.bound is not None:
             continue  # a deque(maxlen=k) cannot pass k: a window, not a leak
-        if trend(censuses, row, _count).climbs():
+        count = trend(censuses, row, _count)
+        if count.climbs(teeth=False) or _material_tooth(censuses, row, count):
             groups.setdefault(_parent(path), []).append(path)
     findings = []
     for parent, paths in groups.items():
@@ -211,9 +218,27 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     return findings
 
 
+def _material_tooth(censuses: list[Census], row: list[HolderStats | None],
+                    count: Trend) -> bool:
+    """A container that filled for several censuses and was then emptied: a leak that grows
+    with the epoch when what it gained carries autograd graphs or gains ``TOOTH_BYTES`` a
+    step; a buffer of a few detached numbers flushed every N steps is bounded."""
+    teeth = count.teeth()
+    if not teeth:
+        return False
+    graphs = trend(censuses, row, lambda h: h.graph_tensors).values
+    size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
+    for a, b in teeth:
+        span = size.iterations[b] - size.iterations[a]
+        if graphs[b] > graphs[a] or (span and (size.values[b] - size.values[a]) / span
+                                     >= TOOTH_BYTES):
+            return True
+    return False
+
+
 def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: str) -> Finding:
     count = trend(censuses, row, _count)
-    last = row[-1]
+    last = latest(row)
     assert last is not None
     first_seen = next(h for h in row if h is not None)
     size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)

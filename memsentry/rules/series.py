@@ -76,11 +76,11 @@ class Trend:
     def _rises_in(self, first: int, last: int) -> int:
         return sum(b > a for a, b in itertools.pairwise(self.values[first:last + 1]))
 
-    def climbs(self, *, at_least: float = 2) -> bool:
+    def climbs(self, *, at_least: float = 2, teeth: bool = True) -> bool:
         """Growth that goes on: within the latest window the figure rose at two steps or
         more, gained ``at_least``, and still rose at the latest census (a container that
-        filled up and stays full does not climb); or it grew again after falling (a
-        sawtooth: what is cleared at each epoch's start grows with the epoch)."""
+        filled up and stays full does not climb); or, with ``teeth``, an earlier window was a
+        whole tooth (see ``teeth``)."""
         if len(self.values) < MIN_CENSUSES:
             return False
         runs = self.windows()
@@ -89,17 +89,18 @@ class Trend:
         if (len(latest) >= MIN_CENSUSES and self._rises_in(first, last) >= MIN_RISES
                 and latest[-1] - latest[0] >= at_least and latest[-1] > latest[-2]):
             return True
-        return self.saws(at_least=at_least, runs=runs)
+        return teeth and bool(self.teeth(at_least=at_least, runs=runs))
 
-    def saws(self, *, at_least: float = 2, runs: list[tuple[int, int]] | None = None) -> bool:
-        """Grew by ``at_least`` within a window of two rises or more, fell, and grew again
-        (``runs``: the windows, when the caller has them)."""
+    def teeth(self, *, at_least: float = 2, runs: list[tuple[int, int]] | None = None
+              ) -> list[tuple[int, int]]:
+        """The windows, before the latest, in which the figure rose at two steps or more and
+        gained ``at_least`` before it fell: what an epoch's reset shows of a leak that grows
+        with the epoch. The tooth is the evidence; what follows the fall (a census that lands
+        just after the reset sees little) does not veto it. ``runs``: the windows, when the
+        caller has them."""
         runs = self.windows() if runs is None else runs
-        if len(runs) < 2:
-            return False
-        grew = [self._rises_in(a, b) >= MIN_RISES
-                and self.values[b] - self.values[a] >= at_least for a, b in runs[:-1]]
-        return any(grew) and self._rises_in(*runs[-1]) >= 1
+        return [(a, b) for a, b in runs[:-1] if self._rises_in(a, b) >= MIN_RISES
+                and self.values[b] - self.values[a] >= at_least]
 
     @property
     def window_per_iteration(self) -> float:
@@ -121,10 +122,12 @@ def sawtooth_note(trend: Trend) -> str:
     """For a series that fell and grew again: where it fell, and what that means."""
     if not trend.falls:
         return ""
-    dropped = [trend.iterations[a] for a, _b in trend.windows()[1:]]
-    at = ", ".join(map(str, dropped))
-    return (f"; it was emptied or rebound before iteration {at} and grew again, so what it "
-            "keeps grows with the time between clears (an epoch's length)")
+    later = trend.windows()[1:]
+    at = ", ".join(str(trend.iterations[a]) for a, _b in later)
+    again = " and grew again" if any(b > a for a, b in later) else ""
+    return (f"; it fell before iteration {at} (emptied or rebound){again}: what it keeps "
+            "grows with the time between clears (an epoch's length), and real epochs are "
+            "long")
 
 
 def complete_censuses(report: ReportData) -> list[Census]:
@@ -149,6 +152,12 @@ def holder_series(report: ReportData
     """The complete censuses, and each holder's entry (by path) at every one of them."""
     censuses = complete_censuses(report)
     return censuses, series(censuses, lambda c: c.holders, lambda h: h.path)
+
+
+def latest(row: Sequence[T | None]) -> T | None:
+    """The entry of the latest census that saw the holder (a census that lands just after
+    an epoch's reset may not)."""
+    return next((entry for entry in reversed(row) if entry is not None), None)
 
 
 def trend(censuses: Sequence[Census], row: Sequence[T | None],

@@ -1,0 +1,113 @@
+"""Telling growth from memory retained once: a test that left memory behind is run twice more
+when every test has run, and judged on what the last run kept beyond the one before.
+
+A test that overwrites state on every call (``model.last = x``) or fills a cache on first use
+keeps memory after its first run but no more after the next: retained once. A test that
+appends to a global, a class attribute or a session fixture keeps more each time: growth.
+Both repeats keep the fixtures of wider scope set up between them (they are torn down as if a
+sibling test came next), so a session fixture's list grows as it would between two tests;
+they are torn down afterwards. Repeating at the end of the session keeps the repeats' side
+effects away from every other test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import pytest
+from _pytest.runner import runtestprotocol
+
+from pytest_memsentry.marks import Limits
+from pytest_memsentry.results import Measurement, Repeat
+
+if TYPE_CHECKING:
+    from pytest_memsentry.measure import CudaApi, Window
+
+
+@dataclass
+class Pending:
+    """A test that passed but left memory behind: its first measurement and its reports,
+    whose verdict waits for the repeats."""
+
+    item: pytest.Item
+    limits: Limits
+    measurement: Measurement
+    reports: list[pytest.TestReport]
+    target: pytest.TestReport
+
+
+class Measuring(Protocol):
+    """What the repeats need from the plugin: the CUDA calls, the fixtures' CUDA record, and
+    the window that wider-scoped fixtures set up during a run report to."""
+
+    cuda: CudaApi | None
+    fixture_growth: dict[object, dict[int, int]]
+    window: Window | None
+
+
+def _run(entry: Pending, plugin: Measuring) -> tuple[Window, Measurement] | str:
+    """One more run of the test, measured; or why it could not be."""
+    from pytest_memsentry.measure import TorchCuda, Window
+
+    window = Window(plugin.cuda or TorchCuda(), plugin.fixture_growth)
+    try:
+        window.start()
+    except Exception as error:
+        window.abort()
+        return f"measuring it failed: {error!r}"
+    plugin.window = window
+    try:
+        # Torn down as if the next test were a sibling: the function's fixtures go, those of
+        # the class, module and session stay for the next run.
+        reports = runtestprotocol(entry.item, nextitem=entry.item.parent,  # type: ignore[arg-type]
+                                  log=False)
+    except BaseException:
+        window.abort()
+        raise
+    finally:
+        plugin.window = None
+    bad = next((r for r in reports if r.failed or r.skipped), None)
+    if bad is not None:
+        window.abort()
+        return f"its {bad.when} {bad.outcome} when it was run again"
+    return window, window.finish(entry.item, entry.limits, judged=True, holders=False)
+
+
+def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
+    """Run the test twice more; per device, what the second of those kept beyond the first
+    (on the CPU, storages the first kept and the second freed count against it). The
+    fixtures the runs kept set up are torn down afterwards."""
+    try:
+        return _twice(entry, plugin)
+    finally:
+        tear_down(entry.item.session)
+
+
+def _twice(entry: Pending, plugin: Measuring) -> Repeat:
+    first = _run(entry, plugin)
+    if isinstance(first, str):
+        return Repeat({}, first)
+    window, before = first
+    second = _run(entry, plugin)
+    if isinstance(second, str):
+        return Repeat({}, second)
+    _window, after = second
+    left = {f.device: f.leaked for f in before.devices}
+    grown = {}
+    for figures in after.devices:
+        if figures.device == "cpu":
+            grown["cpu"] = figures.leaked - (left.get("cpu", 0) - window.still_kept())
+        else:  # the allocator's figure is already the net change
+            grown[figures.device] = figures.leaked
+    return Repeat(grown)
+
+
+def tear_down(session: pytest.Session) -> None:
+    """Tear down the fixtures the repeats kept set up (pytest's own call, private state)."""
+    state = getattr(session, "_setupstate", None)
+    if state is not None:
+        state.teardown_exact(None)
+
+
+__all__ = ["Pending", "run_twice", "tear_down"]
