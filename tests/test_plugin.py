@@ -964,24 +964,30 @@ def test_strict_from_the_ini_file(pytester):
     pytester.runpytest().assert_outcomes(passed=1, failed=3)
 
 
-def test_a_test_that_fails_when_repeated_is_not_failed_for_memory(pytester):
-    pytester.makepyfile(test_once_only="""
+def test_a_repeat_that_fails_is_judged_on_what_it_kept(pytester):
+    pytester.makepyfile(test_repeat_fails="""
         import torch
 
         KEPT = []
+        OUTPUTS = []
 
 
-        def test_only_once():
+        def test_refuses_a_second_run():
             assert not KEPT, "this test cannot run twice"
             KEPT.append(torch.ones(1000))
+
+
+        def test_asserts_on_what_it_grows():
+            OUTPUTS.append(torch.ones(1000))
+            assert len(OUTPUTS) == 1
     """)
-    result = pytester.runpytest("--memsentry")
-    result.assert_outcomes(passed=1)
+    result = pytester.runpytest("--memsentry", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    assert statuses(result) == {"test_refuses_a_second_run": "PASSED",
+                                "test_asserts_on_what_it_grows": "LEAKED"}
     result.stdout.fnmatch_lines([
-        "test_once_only.py::test_only_once: 3.9 KiB retained on cpu*",
+        "test_repeat_fails.py::test_refuses_a_second_run: 3.9 KiB retained on cpu*",
     ])
-    assert "its call failed when it was run again" in output(pytester.runpytest(
-        "--memsentry", "-rA"))
 
 
 def test_a_cycle_inside_autograds_graph_is_named(pytester):
