@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -17,9 +18,11 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     """Name the leaked storages that no Python object holds but a tensor of autograd's graph:
     an in-place op on a tensor that requires grad (``a += a * y``, a slice assigned into a
     non-leaf) can make a reference cycle inside autograd's C++ graph (tensor -> grad_fn ->
-    saved tensor), which ``gc.collect()`` cannot see or free. Such a tensor is alive, has a
-    ``grad_fn`` and no Python referrer. One scan of the collector's objects, only for a test
-    that leaked something the holder search did not reach."""
+    saved tensor), which ``gc.collect()`` cannot see or free. One scan of the collector's
+    objects, only for a test that leaked something the holder search did not reach. Such a
+    tensor is alive, has a
+    ``grad_fn``, no Python referrer, and its own graph saved a tensor later modified in place;
+    a tensor merely saved by a graph that something else keeps stays "not reached"."""
     wanted = {pointers[i]: i for i in unreached}
     matches: list[torch.Tensor] = []
     for obj in gc.get_objects():
@@ -29,13 +32,37 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     for tensor in matches:
         if tensor.grad_fn is not None and not any(
                 referrer is not matches and not isinstance(referrer, FrameType)
-                for referrer in gc.get_referrers(tensor)):
+                for referrer in gc.get_referrers(tensor)) and _modified_in_place(tensor):
             cycles.add(_storage(tensor))
     matches.clear()
     out = list(tensors)
     for key in cycles:
         out[wanted[key]] = replace(out[wanted[key]], holder=AUTOGRAD_CYCLE, grad_fn=True)
     return out
+
+
+def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:
+    """Whether the tensor's own graph (its first ``limit`` nodes) saved a tensor that was
+    modified in place afterwards: the mark of the cycle (a tensor saved by a node of its own
+    history). Only a test that leaked unreached storages pays for this walk."""
+    stack: list[Any] = [tensor.grad_fn]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(type(node)):
+            if name.startswith("_saved_"):
+                try:
+                    getattr(node, name)
+                except RuntimeError as error:
+                    if "inplace operation" in str(error):
+                        return True
+                except Exception:
+                    continue
+        stack.extend(child for child, _index in node.next_functions)
+    return False
 
 
 def _storage(tensor: torch.Tensor) -> int:

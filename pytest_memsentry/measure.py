@@ -57,6 +57,8 @@ from pytest_memsentry.threads import ThreadWatch
 
 #: Seconds the holder search may take for all the listed tensors of one test together.
 HOLDER_BUDGET = 1.0
+#: Leaked storages, largest first, whose holders are searched for (those named are listed).
+SEARCHED = 500
 #: Reads of the allocator and the driver before a CUDA leak is believed (PyTorch's count).
 CUDA_READS = 3
 _XUNIT = {"_xunit_setup_module_fixture_": "setup_module", "_xunit_setup_class_fixture_":
@@ -322,26 +324,32 @@ class Window:
         over = {d.device for d in devices if d.leaked > limits.max_leak}
         ranked = sorted(((p, v) for p, v in candidates.items() if v[0] in over),
                         key=lambda pv: -pv[1][1])
-        shown = ranked[:TOP]
-        roots = holder_roots(item)
-        budget = HOLDER_BUDGET / max(1, len(shown))
+        # One search for the largest SEARCHED storages; the listing shows those it named
+        # first, so that a small tensor a global keeps (a loss history) is not hidden behind
+        # the larger ones its graph saved.
+        searched = ranked[:SEARCHED]
+        found, complete = find_holders({p for p, _v in searched}, holder_roots(item),
+                                       budget=HOLDER_BUDGET)
+        held = {h.storage: h for h in found}
+        order = sorted(range(len(searched)), key=lambda i: searched[i][0] not in held)
+        shown = [searched[i] for i in order[:TOP]]
+        shown_pointers = {p for p, _v in shown}
         tensors: list[LeakedTensor] = []
-        incomplete = False
         unreached = []
         for pointer, (device, size, site) in shown:
-            found, complete = find_holders({pointer}, roots, budget=budget)
-            incomplete |= not complete
-            tensor, holder = _describe(found[0]) if found else (None, None)
-            if not found:
+            holder = held.get(pointer)
+            tensor, name = _describe(holder) if holder else (None, None)
+            if holder is None:
                 unreached.append(len(tensors))
-            tensors.append(LeakedTensor(size, device, tensor, holder,
+            tensors.append(LeakedTensor(size, device, tensor, name,
                                         str(site) if site is not None else None,
-                                        grad_fn=bool(found) and found[0].grad_fn))
+                                        grad_fn=holder is not None and holder.grad_fn))
         if unreached:
             tensors = kept_by_autograd(tensors, unreached, [p for p, _v in shown])
-        if incomplete:
+        if not complete:
             notes.append(f"the holder search stopped after {HOLDER_BUDGET:g} s: some holders "
                          "may be missing")
+        ranked = shown + [pv for pv in ranked if pv[0] not in shown_pointers]
         hidden = ranked[TOP:]
         return Measurement(tuple(devices), tuple(tensors), len(hidden),
                            sum(v[1] for _p, v in hidden), tuple(notes))

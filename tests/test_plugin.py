@@ -1035,3 +1035,28 @@ def test_tensors_made_in_another_thread_are_counted(pytester):
     result.stdout.fnmatch_lines([
         "*8.0 KiB  float32[[]2048[]]  cpu       RESULTS[[]0[]] (global in test_thread.py)*",
     ])
+
+
+def test_a_small_named_tensor_is_listed_before_larger_unreached_ones(pytester):
+    pytester.makepyfile(test_small="""
+        import functools
+
+        import torch
+
+        SMALL = []
+
+
+        @functools.lru_cache
+        def table(n):
+            return torch.ones(4096)
+
+
+        def test_keeps_much_unreached_and_a_little_named():
+            for n in range(12):                   # 12 x 16 KiB nobody reachable names
+                table(n)
+            SMALL.append(torch.ones(2))           # 8 B in a global: the part that grows
+    """)
+    result = pytester.runpytest("--memsentry", "--memsentry-strict")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*8 B  float32[[]2[]]*SMALL[[]0[]] (global in test_small.py)*"])
+    result.stdout.fnmatch_lines(["and 3 more (48 KiB)"])

@@ -266,3 +266,53 @@ def test_layer_figures_not_measured_show_as_not_measured(
     assert all(layer.forward_delta is None and layer.backward_peak is None
                for layer in report.layers)
     assert all(layer.output_bytes for layer in report.layers)  # sizes are still known
+
+
+def test_a_graph_too_large_to_walk_does_not_hide_the_holder_that_keeps_it() -> None:
+    """An LBFGS-like loop keeps every step's loss with a graph of thousands of nodes: walking
+    the graphs runs out of its share of the census budget, the holders found stay judged."""
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(8, 8)
+    opt = torch.optim.SGD(cell.parameters(), lr=0.01)
+    losses = []
+    with memsentry.track(cell, on_leak="ignore", holder_budget=0.2) as t:
+        for _ in range(8):
+            h = c = torch.zeros(4, 8)
+            for _ in range(400):  # 400 cells unrolled: ~4,000 graph nodes per loss
+                h, c = cell(torch.randn(4, 8), (h, c))
+            loss = h.pow(2).mean()
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()
+            losses.append(loss)  # kept with its whole graph
+    report = t.report()
+    assert any(not c.graphs_complete for c in report.censuses), "the graphs fitted the budget"
+    assert all(c.complete for c in report.censuses)
+    (finding,) = [f for f in report.findings if f.severity is LEAK]
+    assert (finding.rule, finding.subject.name if finding.subject else None) == \
+        ("tensor-accumulation", "losses")
+    assert "graph nodes" not in finding.message or "at least" in finding.message
+    assert any("too large to walk" in note for note in report.notes)
+
+
+def _step_keeping_outputs(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                          history: list[torch.Tensor] = []) -> float:  # noqa: B006
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    history.append(model(x))  # a second forward: the census runs while this frame is live
+    return loss.item()
+
+
+def test_a_mutable_default_used_by_the_running_function_is_named_as_the_default() -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(8):
+            _step_keeping_outputs(model, opt, torch.randn(8, 16))
+    _step_keeping_outputs.__defaults__[0].clear()  # type: ignore[index]
+    (finding,) = [f for f in t.report().findings if f.severity is LEAK]
+    assert "`_step_keeping_outputs.__defaults__[0]`" in finding.message
+    assert "a local of" not in finding.message
+    assert "mutable default argument" in finding.message and "kept=None" in finding.fix

@@ -86,8 +86,10 @@ def _add_frames(walk: Walk, frame: types.FrameType | None,
             path = code.co_filename
             if code.co_flags & inspect.CO_OPTIMIZED:
                 scope = Scope(ScopeKind.FUNCTION, code.co_name, short_path(path))
-                for name, value in frame_locals(user_frame).items():
-                    if name.isidentifier():
+                values = frame_locals(user_frame)
+                defaults = _defaults_of(code, user_frame.f_globals, values.get("self"))
+                for name, value in values.items():
+                    if name.isidentifier() and id(value) not in defaults:
                         hint = SourceHint(name, (path,), code.co_firstlineno, user_frame.f_lineno)
                         walk.add_root(value, _root(name), HolderKind.LOCAL, scope, hint)
             namespaces.setdefault(
@@ -98,6 +100,34 @@ def _add_frames(walk: Walk, frame: types.FrameType | None,
         for user_frame in frames:
             release_locals(user_frame)
         del frames
+
+
+def _defaults_of(code: types.CodeType, namespace: dict[str, Any], instance: Any) -> set[int]:
+    """Ids of the default argument values of the function running ``code`` (found among the
+    module's globals or the instance's class): a local bound to a mutable default is the
+    default, named ``train.__defaults__[0]`` through the function, not as a local that would
+    be gone after the call."""
+    candidates = list(namespace.values())
+    if instance is not None:
+        candidates += list(vars(type(instance)).values())
+    for value in candidates:
+        kind = type(value)  # not isinstance: a global's __class__ may be a lazy attribute
+        if kind in (staticmethod, classmethod, types.MethodType):
+            function = value.__func__
+        elif kind is types.FunctionType:
+            function = value
+        else:
+            continue
+        if function.__code__ is code:
+            defaults = [*(function.__defaults__ or ()),
+                        *(function.__kwdefaults__ or {}).values()]
+            return {id(d) for d in defaults if not atomic(d)}
+    return set()
+
+
+#: The share of the census budget the autograd graphs behind the holders may take, after the
+#: holder walk: a cut graph leaves the holders' own figures whole (``graphs_complete``).
+GRAPH_SHARE = 0.5
 
 
 def take_census(
@@ -133,12 +163,14 @@ def take_census(
     for _name, called in modules:
         walk.add_class(type(called))
     walk.run()
-    holders = _freeze_holders(walk)
-    holders += _gradient_holders(walk, modules)
+    graphs = Budget(budget * GRAPH_SHARE)
+    holders = _freeze_holders(walk, graphs)
+    holders += _gradient_holders(walk, modules, graphs)
     return Census(
         iteration=iteration,
         seconds=time.perf_counter() - started,
         complete=not walk.budget.exhausted,
+        graphs_complete=not graphs.exhausted,
         objects=walk.visited,
         holders=tuple(holders),
         hooks=hook_census(modules, own_hooks),
@@ -185,20 +217,21 @@ def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
     )
 
 
-def _freeze_holders(walk: Walk) -> list[HolderStats]:
+def _freeze_holders(walk: Walk, budget: Budget) -> list[HolderStats]:
     """Each holder with the autograd graph it reaches. A graph two holders reach (a state
     carried into the next iteration and an output of the same call) is credited to the holder
     declared first: the state set up before the loop, not the loop's own output."""
     graphs: dict[int, tuple[int, int]] = {}
     nodes_seen: set[int] = set()
     for holder in sorted(walk.holders.values(), key=walk.declared):
-        graphs[id(holder)] = graph_size(walk, holder.roots, nodes_seen) if holder.roots \
-            else (0, 0)
+        graphs[id(holder)] = graph_size(walk, holder.roots, nodes_seen, budget) \
+            if holder.roots else (0, 0)
         holder.roots.clear()
     return [_freeze(holder, *graphs[id(holder)]) for holder in walk.holders.values()]
 
 
-def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]]) -> list[HolderStats]:
+def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget
+                      ) -> list[HolderStats]:
     """Parameters whose ``.grad`` carries a ``grad_fn`` (``backward(create_graph=True)``): one
     holder for all of them, named after the first; ``items`` counts them."""
     paths: list[tuple[Step, ...]] = []
@@ -214,7 +247,7 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]]) -> list[
                 size += walk.count_bytes(grad)
     if not paths:
         return []
-    nodes, saved = graph_size(walk, roots, set())
+    nodes, saved = graph_size(walk, roots, set(), budget)
     roots.clear()
     return [
         HolderStats(

@@ -407,5 +407,6 @@ class Walk:
                 path=item.path, kind=item.kind, scope=item.scope,
                 shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
                 device=str(tensor.device), bytes=key[1], grad_fn=tensor.grad_fn is not None,
+                storage=key[0][1],
             )
         )

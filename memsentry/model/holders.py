@@ -88,7 +88,10 @@ class GarbageStats:
 @dataclass(frozen=True)
 class Census:
     """Who held tensors at one iteration boundary: taken after warm-up and then at growing
-    intervals, within a time budget. ``complete`` is false when the budget ran out first."""
+    intervals, within a time budget. ``complete`` is false when the budget ran out before every
+    holder was found; ``graphs_complete`` is false when the autograd graphs behind the holders
+    were too large to walk in their share of it (their node and saved-byte figures are then
+    lower bounds, the holders' own figures are whole)."""
 
     iteration: int
     seconds: float
@@ -97,6 +100,7 @@ class Census:
     holders: tuple[HolderStats, ...] = ()
     hooks: tuple[HookStats, ...] = ()
     garbage: GarbageStats | None = None
+    graphs_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,8 @@ class UnusedGraph:
 @dataclass(frozen=True)
 class HeldTensor:
     """A tensor found by a search for given storages: the ``path`` that reaches it (``name``
-    spells it: ``CACHE['warm'][3]``, ``TestModel.outputs[0]``), and what the tensor is."""
+    spells it: ``CACHE['warm'][3]``, ``TestModel.outputs[0]``), what the tensor is and which
+    storage it matched."""
 
     path: tuple[Step, ...]
     kind: HolderKind
@@ -126,6 +131,7 @@ class HeldTensor:
     device: str
     bytes: int
     grad_fn: bool
+    storage: int = 0  # the storage's data pointer, one of those searched for
 
     @property
     def name(self) -> str:

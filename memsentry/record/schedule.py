@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from memsentry.census import garbage_census, take_census
+from memsentry.census.take import GRAPH_SHARE
 from memsentry.model import Census
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.sampler import Sampler
@@ -118,4 +119,15 @@ class CensusSchedule:
             f"{self.budget:g} s budget after {c.objects:,} objects; holders beyond "
             "them were not examined (raise track(holder_budget=...))."
             for c in self.censuses if not c.complete
+        ] + self._graph_notes()
+
+    def _graph_notes(self) -> list[str]:
+        cut = [str(c.iteration) for c in self.censuses if c.complete and not c.graphs_complete]
+        if not cut:
+            return []
+        return [
+            f"The autograd graphs behind the holders at iteration {', '.join(cut)} were too "
+            f"large to walk in {self.budget * GRAPH_SHARE:g} s: their node counts are lower "
+            "bounds, so graph growth was not judged there; the holders' own figures are whole "
+            "(raise track(holder_budget=...))."
         ]

@@ -75,7 +75,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
     summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
     ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
     nodes pile up."""
-    censuses, table = holder_series(report)
+    censuses, table = holder_series(report, graphs=True)
     findings = []
     for row in table.values():
         last = latest(row)
@@ -253,13 +253,22 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
     if last.modules:
         message += f"; {last.modules} of them are whole nn.Module objects"
     if last.graph_tensors:
+        seen_at = max(i for i, entry in enumerate(row) if entry is not None)
+        least = "" if censuses[seen_at].graphs_complete else "at least "
         message += (
             f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
-            f"their batch's graph ({last.graph_nodes:,} nodes"
+            f"their batch's graph ({least}{last.graph_nodes:,} nodes"
         )
         if last.graph_saved_bytes:
             message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
         message += ") alive"
+    default = next((step.name for step in last.path if step.name.startswith("__defaults__[")
+                    or step.name.startswith("__kwdefaults__[")), None)
+    if default is not None:
+        message += (
+            "; it is a mutable default argument, made once when the `def` ran and shared by "
+            "every call, so it keeps what each call adds"
+        )
     ipython = last.root in _IPYTHON_HISTORY
     if ipython:
         message += (
@@ -270,6 +279,12 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
         fix = (
             "end such cells with `;` (or assign the result), drop kept results with "
             "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
+        )
+    elif default is not None:
+        fix = (
+            "default the argument to `None` and make the container inside the function "
+            "(`def f(..., kept=None)`, then `if kept is None: kept = []`), or pass it "
+            "explicitly; store `.detach()`ed tensors or `.item()` numbers in it"
         )
     elif last.modules:
         fix = (

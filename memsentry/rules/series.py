@@ -130,9 +130,10 @@ def sawtooth_note(trend: Trend) -> str:
             "long")
 
 
-def complete_censuses(report: ReportData) -> list[Census]:
-    """The censuses that finished within their budget (an interrupted one undercounts)."""
-    return [c for c in report.censuses if c.complete]
+def complete_censuses(report: ReportData, *, graphs: bool = False) -> list[Census]:
+    """The censuses that finished within their budget (an interrupted one undercounts); with
+    ``graphs``, also those whose autograd graphs were walked whole."""
+    return [c for c in report.censuses if c.complete and (c.graphs_complete or not graphs)]
 
 
 def series(censuses: Sequence[Census], items: Callable[[Census], Sequence[T]],
@@ -147,10 +148,11 @@ def series(censuses: Sequence[Census], items: Callable[[Census], Sequence[T]],
     return table
 
 
-def holder_series(report: ReportData
+def holder_series(report: ReportData, *, graphs: bool = False
                   ) -> tuple[list[Census], dict[tuple[Step, ...], list[HolderStats | None]]]:
-    """The complete censuses, and each holder's entry (by path) at every one of them."""
-    censuses = complete_censuses(report)
+    """The complete censuses (``graphs``: with their graphs walked whole), and each holder's
+    entry (by path) at every one of them."""
+    censuses = complete_censuses(report, graphs=graphs)
     return censuses, series(censuses, lambda c: c.holders, lambda h: h.path)
 
 
