@@ -18,7 +18,7 @@ from torch import nn
 
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
-from memsentry.record.layers import LayerRegistry, storage_bytes
+from memsentry.record.layers import LayerRegistry, compiled_original, storage_bytes
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.timeline import IterationClock
@@ -28,10 +28,14 @@ class SavedTensorVersionError(RuntimeError):
     """A tensor saved for backward was modified in place before the backward used it."""
 
 
+#: The version a tensor packed inside a compiled region carries: not checked on unpacking.
+UNCHECKED = -1
+
+
 def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """Return the saved tensor, repeating autograd's in-place check (skipped under hooks)."""
     tensor, version = packed
-    if tensor._version != version:
+    if version != UNCHECKED and tensor._version != version:
         raise SavedTensorVersionError(
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
@@ -65,8 +69,23 @@ class ForwardRecorder:
         self._saved = saved
         self._start_backend = start_backend
         self._iteration_start = iteration_start
+        self.compiled: set[str] = set()  # layers that ran as torch.compile'd graphs
+
+    def compiled_notes(self) -> list[str]:
+        """What the report says of the modules that ran as torch.compile'd code."""
+        if not self.compiled:
+            return []
+        names = ", ".join(f"`{n}`" for n in sorted(self.compiled))
+        return [
+            f"{names} ran as torch.compile'd code: memsentry measured each call as a whole "
+            "(memory at its boundaries, what it saved for backward, iterations, holders) but "
+            "steps aside inside it, so the layers inside it are not measured one by one (run "
+            "it uncompiled to see them)."
+        ]
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced
+            return
         if not self.active:
             return
         if self._sampler.backend is None:
@@ -75,6 +94,8 @@ class ForwardRecorder:
         if parent is None:
             self._iteration_start(module)
         record = self._registry.record_for(module, parent)
+        if compiled_original(module) is not None:
+            self.compiled.add(record.name)
         if parent is not None:
             parent.is_leaf = False
         allocated = self._sampler.sample()
@@ -85,6 +106,8 @@ class ForwardRecorder:
             call.backward = self._backward.watch_inputs(record, args)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if not self.active or not self.stack:
             return
         allocated = self._sampler.sample()
@@ -116,6 +139,8 @@ class ForwardRecorder:
             self._backward.watch_outputs(call.backward, outputs)
 
     def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: keep it as it is
+            return tensor, UNCHECKED
         if self.active and self._sampler.backend is not None:
             if self._sampler.in_ops:
                 self._sampler.sample()

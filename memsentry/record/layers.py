@@ -111,6 +111,18 @@ def _param_bytes(module: nn.Module) -> int:
     return storage_bytes(list(module.parameters()))
 
 
+#: Where torch.compile's ``OptimizedModule`` keeps the module it compiled.
+COMPILED_ATTRIBUTE = "_orig_mod"
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, when ``module`` is its ``OptimizedModule``."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    original = module._modules.get(COMPILED_ATTRIBUTE)
+    return original if isinstance(original, nn.Module) else None
+
+
 class LayerRegistry:
     """Names modules and owns their records, in first-call order.
 
@@ -144,10 +156,18 @@ class LayerRegistry:
 
     def name_tree(self, root: nn.Module) -> None:
         """Give ``root`` and its submodules names (those already named keep theirs)."""
+        compiled = compiled_original(root)
         for qualified, module in root.named_modules():
             if module in self._names:
                 continue
-            depth = qualified.count(".") + 1 if qualified else 0
+            if compiled is not None:  # torch.compile's wrapper: name the user's modules
+                if not qualified:
+                    qualified = f"{type(compiled).__name__} (compiled)"
+                elif qualified == COMPILED_ATTRIBUTE:
+                    qualified = type(compiled).__name__
+                else:
+                    qualified = qualified.removeprefix(COMPILED_ATTRIBUTE + ".")
+            depth = qualified.count(".") + 1 if qualified and module is not root else 0
             self._names[module] = (self._unique(qualified or type(root).__name__), depth)
 
     def record_for(self, module: nn.Module, parent: LayerRecord | None) -> LayerRecord:

@@ -281,6 +281,7 @@ class Recorder:
         if self._sampler.coarse_note:
             notes.append(self._sampler.coarse_note)
         notes += self._censuses.budget_notes()
+        notes += self._forward.compiled_notes()
         return ReportData(
             device=str(backend.device),
             backend=backend.name,
