@@ -90,3 +90,37 @@ def test_a_leak_around_a_compiled_model_is_still_found() -> None:
             total = total + loss  # every step's graph
     (finding,) = [f for f in t.report().findings if f.severity is memsentry.Severity.LEAK]
     assert finding.rule == "retained-graph" and "`total`" in finding.message
+
+
+# -- torch.func ---------------------------------------------------------------------------------
+def _functional_steps(tracked: bool) -> tuple[list[torch.Tensor], memsentry.Report | None]:
+    """Four steps of per-sample gradients (vmap over grad) and a full-batch grad, weights
+    updated functionally; the weights after the last step."""
+    from torch.func import functional_call, grad, vmap
+
+    model = _model()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (functional_call(model, p, (x,)) - y).pow(2).mean()
+
+    generator = torch.Generator().manual_seed(2)
+    tracker = memsentry.track(model, on_leak="ignore") if tracked else None
+    if tracker is not None:
+        tracker.start()
+    for _ in range(4):
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        full = grad(loss_fn)(params, x, y)
+        per_sample = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x.unsqueeze(1),
+                                                               y.unsqueeze(1))
+        params = {k: params[k] - 0.1 * full[k] - 0.01 * per_sample[k].mean(0) for k in params}
+    return list(params.values()), tracker.stop() if tracker is not None else None
+
+
+def test_torch_func_transforms_run_under_track_with_the_same_results() -> None:
+    plain, _ = _functional_steps(tracked=False)
+    tracked, report = _functional_steps(tracked=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, tracked, strict=True))
+    assert report is not None
+    assert any("ran inside a torch.func transform" in note for note in report.notes)
+    assert not [f for f in report.findings if f.severity is memsentry.Severity.LEAK]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
@@ -70,18 +71,33 @@ class ForwardRecorder:
         self._start_backend = start_backend
         self._iteration_start = iteration_start
         self.compiled: set[str] = set()  # layers that ran as torch.compile'd graphs
+        # The saved-tensor hooks are pushed around each outermost call only, so that code
+        # between calls (a torch.func transform) never finds them on the stack; inside a
+        # region that disables them, the call is measured without them.
+        self._hooks: saved_tensors_hooks | None = None
+        self.without_saved: set[str] = set()  # outermost calls run where hooks are disabled
 
     def compiled_notes(self) -> list[str]:
-        """What the report says of the modules that ran as torch.compile'd code."""
+        """What the report says of the modules that ran as torch.compile'd code, or inside a
+        torch.func transform."""
+        notes = []
+        if self.without_saved:
+            names = ", ".join(f"`{n}`" for n in sorted(self.without_saved))
+            notes.append(
+                f"{names} ran inside a torch.func transform (grad, vjp, jacrev), where "
+                "saved-tensor hooks are not allowed: the bytes they saved for backward there "
+                "are not measured (the rest of the call is)."
+            )
         if not self.compiled:
-            return []
+            return notes
         names = ", ".join(f"`{n}`" for n in sorted(self.compiled))
-        return [
+        notes.append(
             f"{names} ran as torch.compile'd code: memsentry measured each call as a whole "
             "(memory at its boundaries, what it saved for backward, iterations, holders) but "
             "steps aside inside it, so the layers inside it are not measured one by one (run "
             "it uncompiled to see them)."
-        ]
+        )
+        return notes
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced
@@ -96,6 +112,8 @@ class ForwardRecorder:
         record = self._registry.record_for(module, parent)
         if compiled_original(module) is not None:
             self.compiled.add(record.name)
+        if parent is None and self._saved:
+            self._push_saved_hooks(record.name)
         if parent is not None:
             parent.is_leaf = False
         allocated = self._sampler.sample()
@@ -137,6 +155,23 @@ class ForwardRecorder:
                               call.saved_bytes if self._saved else None, outputs)
         if call.backward is not None and grad and self._backward is not None:
             self._backward.watch_outputs(call.backward, outputs)
+        if not self.stack:
+            self.pop_saved_hooks()
+
+    def _push_saved_hooks(self, name: str) -> None:
+        if self._hooks is not None:
+            return
+        if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+            self.without_saved.add(name)  # torch.func's grad/vjp: hooks would raise there
+            return
+        self._hooks = saved_tensors_hooks(self.pack, unpack)
+        self._hooks.__enter__()
+
+    def pop_saved_hooks(self) -> None:
+        """Take the saved-tensor hooks off the stack (after the outermost call, or at stop)."""
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
 
     def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         if torch.compiler.is_compiling():  # traced into a compiled graph: keep it as it is

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
@@ -32,7 +31,7 @@ from memsentry.measure import (
 from memsentry.model import Boundary, IterationStats, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import BackwardCall, ForwardCall
-from memsentry.record.forward import ForwardRecorder, unpack
+from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
 from memsentry.record.roots import RootCalls
@@ -79,7 +78,6 @@ class Recorder:
             iteration_start=self._outermost_call,
         )
         self._handles: list[Any] = []
-        self._saved_hooks: saved_tensors_hooks | None = None
         self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._overall_peak = 0
         self._final: tuple[int, int | None, Counters] | None = None
@@ -118,9 +116,6 @@ class Recorder:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         if self.options.holders:
             gc.callbacks.append(self._censuses.gc_event)
-        if self.options.saved_tensors:
-            self._saved_hooks = saved_tensors_hooks(forward.pack, unpack)
-            self._saved_hooks.__enter__()
 
     def stop(self) -> None:
         """Close the partial iteration, remove every hook and forget every module."""
@@ -149,9 +144,7 @@ class Recorder:
         if self._censuses.gc_event in gc.callbacks:
             gc.callbacks.remove(self._censuses.gc_event)
         self._roots.settle(everything=True)
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        self._forward.pop_saved_hooks()
         backend = self._sampler.backend
         if backend is not None:
             if self.active:
