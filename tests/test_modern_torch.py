@@ -1,6 +1,6 @@
-"""memsentry around torch.compile (issue 11): the run gives the same results as untracked,
-bit for bit, under every form of track() and every backend, and the report says what it could
-not measure inside the compiled code."""
+"""memsentry around torch.compile, torch.func and worker threads (issue 11): the run gives the
+same results as untracked, bit for bit, under every form of track() and every compile backend,
+and the report says what it could not measure."""
 
 from __future__ import annotations
 
@@ -124,3 +124,35 @@ def test_torch_func_transforms_run_under_track_with_the_same_results() -> None:
     assert report is not None
     assert any("ran inside a torch.func transform" in note for note in report.notes)
     assert not [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+
+
+# -- threads ----------------------------------------------------------------------------------
+def test_a_loop_trained_in_a_worker_thread_is_measured_there() -> None:
+    import threading
+
+    def run(tracked: bool) -> tuple[torch.Tensor, memsentry.Report | None]:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def loop() -> None:
+            generator = torch.Generator().manual_seed(3)
+            for _ in range(6):
+                loss = model(torch.randn(8, 16, generator=generator)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+        tracker = memsentry.track(model, on_leak="ignore") if tracked else None
+        if tracker is not None:
+            tracker.start()
+        worker = threading.Thread(target=loop)
+        worker.start()
+        worker.join()
+        report = tracker.stop() if tracker is not None else None
+        return model[0].weight.detach().clone(), report
+
+    plain, _ = run(tracked=False)
+    weight, report = run(tracked=True)
+    assert torch.equal(weight, plain)
+    assert report is not None and len(report.iterations) >= 5
+    assert report.layer("0").saved_bytes == 8 * 16 * 4  # the first Linear saves its input
