@@ -156,3 +156,35 @@ def test_a_loop_trained_in_a_worker_thread_is_measured_there() -> None:
     assert torch.equal(weight, plain)
     assert report is not None and len(report.iterations) >= 5
     assert report.layer("0").saved_bytes == 8 * 16 * 4  # the first Linear saves its input
+
+
+# -- TorchScript --------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["traced", "scripted"])
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "global"])
+def test_torchscript_modules_are_tracked_as_a_whole(how: str, with_model: bool) -> None:
+    def run(tracked: bool) -> tuple[torch.Tensor, memsentry.Report | None]:
+        model = _model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            script = torch.jit.trace(model, torch.zeros(8, 16)) if how == "traced" \
+                else torch.jit.script(model)
+        opt = torch.optim.SGD(script.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(4)
+        tracker = memsentry.track(script if with_model else None, on_leak="ignore") \
+            if tracked else None
+        if tracker is not None:
+            tracker.start()
+        for _ in range(5):
+            loss = script(torch.randn(8, 16, generator=generator)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        report = tracker.stop() if tracker is not None else None
+        return next(script.parameters()).detach().clone(), report
+
+    plain, _ = run(tracked=False)
+    weight, report = run(tracked=True)
+    assert torch.equal(weight, plain)
+    assert report is not None and len(report.iterations) >= 4
+    assert [layer.name for layer in report.layers] == [f"Sequential ({how})"]
+    assert any("ran as TorchScript" in note for note in report.notes)

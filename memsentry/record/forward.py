@@ -10,12 +10,18 @@ repeated at unpack.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
 
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
@@ -76,6 +82,33 @@ class ForwardRecorder:
         # region that disables them, the call is measured without them.
         self._hooks: saved_tensors_hooks | None = None
         self.without_saved: set[str] = set()  # outermost calls run where hooks are disabled
+        # TorchScript modules of the tracked model: they take no module hooks, so global
+        # hooks let their calls (and only theirs) through.
+        self.scripted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.script_names: set[str] = set()
+
+    def hook_model(self, model: nn.Module) -> list[RemovableHandle]:
+        """Forward hooks on every module of ``model``; its TorchScript modules, which take no
+        module hooks, get global hooks that let only their calls through."""
+        handles = []
+        for module in model.modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                self.scripted.add(module)
+                continue
+            handles.append(module.register_forward_pre_hook(self.pre_forward))
+            handles.append(module.register_forward_hook(self.post_forward, always_call=True))
+        if len(self.scripted):
+            handles.append(register_module_forward_pre_hook(self.scripted_pre))
+            handles.append(register_module_forward_hook(self.scripted_post, always_call=True))
+        return handles
+
+    def scripted_pre(self, module: nn.Module, args: Any) -> None:
+        if module in self.scripted:
+            self.pre_forward(module, args)
+
+    def scripted_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module in self.scripted:
+            self.post_forward(module, args, output)
 
     def compiled_notes(self) -> list[str]:
         """What the report says of the modules that ran as torch.compile'd code, or inside a
@@ -87,6 +120,13 @@ class ForwardRecorder:
                 f"{names} ran inside a torch.func transform (grad, vjp, jacrev), where "
                 "saved-tensor hooks are not allowed: the bytes they saved for backward there "
                 "are not measured (the rest of the call is)."
+            )
+        if self.script_names:
+            names = ", ".join(f"`{n}`" for n in sorted(self.script_names))
+            notes.append(
+                f"{names} ran as TorchScript: memsentry measured each call as a whole (memory "
+                "at its boundaries, iterations, holders); the modules inside it take no hooks "
+                "and are not measured one by one."
             )
         if not self.compiled:
             return notes
@@ -112,6 +152,8 @@ class ForwardRecorder:
         record = self._registry.record_for(module, parent)
         if compiled_original(module) is not None:
             self.compiled.add(record.name)
+        elif isinstance(module, torch.jit.ScriptModule):
+            self.script_names.add(record.name)
         if parent is None and self._saved:
             self._push_saved_hooks(record.name)
         if parent is not None:

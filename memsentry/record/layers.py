@@ -167,6 +167,9 @@ class LayerRegistry:
                     qualified = type(compiled).__name__
                 else:
                     qualified = qualified.removeprefix(COMPILED_ATTRIBUTE + ".")
+            elif not qualified and isinstance(root, torch.jit.ScriptModule):
+                how = "traced" if isinstance(root, torch.jit.TracedModule) else "scripted"
+                qualified = f"{getattr(root, 'original_name', 'ScriptModule')} ({how})"
             depth = qualified.count(".") + 1 if qualified and module is not root else 0
             self._names[module] = (self._unique(qualified or type(root).__name__), depth)
 

@@ -103,11 +103,7 @@ class Recorder:
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             self._registry.name_tree(model)
-            for module in model.modules():
-                self._handles.append(module.register_forward_pre_hook(forward.pre_forward))
-                self._handles.append(
-                    module.register_forward_hook(forward.post_forward, always_call=True)
-                )
+            self._handles += forward.hook_model(model)
         else:
             self._handles.append(register_module_forward_pre_hook(forward.pre_forward))
             self._handles.append(
