@@ -181,6 +181,32 @@ def test_run_missing_script_returns_2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "memsentry report" not in captured.out
 
 
+@pytest.mark.parametrize(("option", "where", "message"), [
+    ("-o", "missing/report.txt", "-o: the folder of '{p}' does not exist; create it first"),
+    ("--json", "missing/report.json",
+     "--json: the folder of '{p}' does not exist; create it first"),
+    ("-o", ".", "-o: '{p}' is a directory; give a file name"),
+])
+def test_an_unwritable_report_path_stops_the_run_before_the_script(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, where: str,
+        message: str) -> None:
+    script = write_script(tmp_path)
+    target = str(tmp_path / where)
+    assert main(["run", option, target, str(script)]) == 2
+    captured = capsys.readouterr()
+    assert "main ran" not in captured.out  # the script never started
+    assert f"memsentry run: {message.format(p=target)}" in captured.err
+
+
+def test_run_of_a_missing_module_is_one_line_not_a_traceback(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "-m", "memsentry_no_such_module_here"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("memsentry run: no module named 'memsentry_no_such_module_here' "
+                            "(-m takes a module name, as python -m)\n")
+    assert "Traceback" not in captured.out + captured.err
+
+
 def test_run_with_a_bad_device_returns_2_and_restores_the_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -56,19 +56,59 @@ def _run_script(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the report cannot be written to ``path`` (checked before the script runs, so a
+    long run never ends with its report lost), or ``None``."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        return f"{path!r} is a directory; give a file name"
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        return f"the folder of {path!r} does not exist; create it first"
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        return f"{path!r} is not writable"
+    if not os.path.exists(target) and not os.access(folder, os.W_OK):
+        return f"cannot create {path!r}: its folder is not writable"
+    return None
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, before anything runs."""
+    if args.module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())  # where python -m looks first
+        try:
+            found = importlib.util.find_spec(args.script)
+        except (ImportError, ValueError):
+            found = None
+        finally:
+            sys.path.pop(0)
+        if found is None:
+            return f"no module named {args.script!r} (-m takes a module name, as python -m)"
+    elif not os.path.isfile(args.script):
+        return f"no such script: {args.script!r}"
+    for option, path in (("-o", args.output), ("--json", args.json)):
+        problem = _unwritable(path) if path else None
+        if problem is not None:
+            return f"{option}: {problem}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from memsentry.tracker import Tracker  # torch is imported for this command only
 
-    if not args.module and not os.path.isfile(args.script):
-        return fail("run", f"no such script: {args.script!r}")
+    problem = _check(args)
+    if problem is not None:
+        return fail("run", problem)
     try:
         tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore")
     except (MemsentryError, TypeError, ValueError) as exc:
         return fail("run", str(exc))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [args.script, *args.args]
-    if not args.module:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    sys.path.insert(0, os.getcwd() if args.module
+                    else os.path.dirname(os.path.abspath(args.script)))
     try:
         with tracker:
             code = _run_script(args)
@@ -77,11 +117,22 @@ def run(args: argparse.Namespace) -> int:
     report = tracker.report()
     text = report.format(max_depth=args.depth, top=args.top, width=args.width)
     sys.stdout.flush()
+    banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+        try:
+            with open(args.output, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        except OSError as error:  # it became unwritable while the script ran: keep the text
+            print(banner)
+            fail("run", f"-o: could not write {args.output!r} ({error.strerror}); the report "
+                        "is printed above")
+            code = code or 2
     else:
-        print(f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}")
+        print(banner)
     if args.json:
-        report.to_json(args.json)
+        try:
+            report.to_json(args.json)
+        except OSError as error:
+            fail("run", f"--json: could not write {args.json!r} ({error.strerror})")
+            code = code or 2
     return code
