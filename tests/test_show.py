@@ -186,3 +186,35 @@ def test_show_does_not_import_torch(leaky_report: Report, tmp_path: Path) -> Non
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "tensor-accumulation" in done.stdout
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1, "
+                  "column 2)"),
+    ('{"device": "cpu", "backend": "x", "schema": 99}', "this report has schema 99, newer "
+                                                        "than this memsentry reads"),
+    ("[1, 2]", "not a memsentry report"),
+])
+def test_report_from_json_names_the_file_and_what_is_wrong(
+        tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError) as caught:
+        memsentry.Report.from_json(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+
+
+def test_a_damaged_figure_fails_when_the_report_is_read(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    with memsentry.track(model, on_leak="ignore") as t:
+        model(torch.randn(2, 4))
+    good = tmp_path / "good.json"
+    t.report().to_json(good)
+    data = json.loads(good.read_text())
+    data["baseline"] = "lots"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"bad\.json: Report\.baseline: expected int, "
+                                         r"got 'lots'"):
+        memsentry.Report.from_json(bad)

@@ -52,18 +52,40 @@ def from_plain(kind: Any, data: Any) -> Any:
         return build(kind, data)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return kind(data)
+    if kind in _SCALARS and not _fits(kind, data):
+        raise ValueError(f"expected {kind.__name__}, got {data!r}")
     return data
+
+
+#: Scalar field types whose values are checked on the way in (a report edited by hand, or
+#: damaged, fails when it is read, not later when a figure is used).
+_SCALARS: tuple[type, ...] = (int, float, str, bool)
+
+
+def _fits(kind: type, data: Any) -> bool:
+    if kind is float:
+        return isinstance(data, int | float) and not isinstance(data, bool)
+    if kind is int:
+        return isinstance(data, int) and not isinstance(data, bool)
+    return isinstance(data, kind)
 
 
 def build(cls: type[T], data: dict[str, Any]) -> T:
     """An instance of the dataclass ``cls`` from a dict, each field rebuilt as its type."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object for {cls.__name__}, got {data!r:.60}")
     hints = _hints(cls)  # type: ignore[arg-type]
-    values = {
-        f.name: from_plain(hints[f.name], data[f.name])
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if f.name in data
-    }
-    return cls(**values)
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in data:
+            try:
+                values[f.name] = from_plain(hints[f.name], data[f.name])
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{cls.__name__}.{f.name}: {error}") from None
+    try:
+        return cls(**values)
+    except TypeError as error:  # a required field is missing
+        raise ValueError(f"{cls.__name__}: {error}") from None
 
 
 __all__ = ["build", "from_plain", "to_plain"]

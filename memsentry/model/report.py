@@ -101,9 +101,18 @@ class ReportData:
 
     @classmethod
     def from_json(cls: type[R], path: str | os.PathLike[str]) -> R:
-        """Read a report saved with :meth:`to_json`."""
+        """Read a report saved with :meth:`to_json`. A file that is not JSON, not a report
+        or damaged raises ``ValueError`` naming the file and what is wrong."""
         with open(path, encoding="utf-8") as handle:
-            return cls.from_dict(json.load(handle))
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{os.fspath(path)}: not JSON ({error.msg} at line "
+                                 f"{error.lineno}, column {error.colno})") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{os.fspath(path)}: {error}") from None
 
 
 __all__ = ["SCHEMA_VERSION", "ReportData"]
