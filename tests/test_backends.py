@@ -367,5 +367,6 @@ def test_mallinfo2_turning_slow_mid_run_limits_sampling_to_iterations(monkeypatc
     assert report.backend == "cpu-mallinfo2"
     assert any("sampled only at iteration boundaries" in note for note in report.notes)
     assert len(report.iterations) == 7
-    # Leak detection does not depend on per-layer sampling.
-    assert [f.rule for f in report.findings] == ["tensor-accumulation"]
+    # Leak detection does not depend on per-layer sampling (timing hints may come with load).
+    assert [f.rule for f in report.findings
+            if f.severity is not memsentry.Severity.HINT] == ["tensor-accumulation"]

@@ -350,7 +350,9 @@ def test_samples_leaky_grows_and_fixed_does_not(
     assert leaky_growth > 10 * fixed_growth
     # The heuristics engine names both leaks and the missing no_grad in the leaky run, with
     # the variables and lines; the fixed run has nothing to say.
-    found = {f.rule: f for f in leaky.findings}
+    # (Hints that read timings, such as input-bound, may come and go with the machine's load:
+    # the verdicts on memory are what is asserted.)
+    found = {f.rule: f for f in leaky.findings if f.severity is not memsentry.Severity.HINT}
     assert sorted(found) == ["missing-no-grad", "retained-graph", "tensor-accumulation"]
     assert found["retained-graph"].severity is memsentry.Severity.LEAK
     assert "`running_loss`" in found["retained-graph"].message
@@ -359,7 +361,7 @@ def test_samples_leaky_grows_and_fixed_does_not(
     assert (found["tensor-accumulation"].where or "").endswith("train_leaky.py:29")
     assert found["missing-no-grad"].severity is memsentry.Severity.WASTE
     assert "`Classifier`" in found["missing-no-grad"].message
-    assert fixed.findings == ()
+    assert [f for f in fixed.findings if f.severity is not memsentry.Severity.HINT] == []
 
 
 @pytest.mark.parametrize("option", [["--depth", "-1"], ["--top", "0"], ["--width", "wide"]])
