@@ -316,3 +316,26 @@ def test_a_mutable_default_used_by_the_running_function_is_named_as_the_default(
     assert "`_step_keeping_outputs.__defaults__[0]`" in finding.message
     assert "a local of" not in finding.message
     assert "mutable default argument" in finding.message and "kept=None" in finding.fix
+
+
+def test_a_leak_is_found_next_to_a_container_of_millions_of_numbers() -> None:
+    """A global of three million floats is checked at C speed, not item by item: the census
+    stays within its budget and complete, and the leak beside it is named."""
+    from memsentry.census.walk import only_atoms
+
+    numbers = [float(i) for i in range(3_000_000)]
+    assert only_atoms(numbers) and not only_atoms([*numbers[:5000], torch.ones(1)])
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(8):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(torch.ones(256))
+    report = t.report()
+    assert numbers[-1] == 2_999_999.0
+    assert report.censuses and all(c.complete for c in report.censuses)
+    (finding,) = [f for f in report.findings if f.severity is LEAK]
+    assert finding.rule == "tensor-accumulation" and "`kept`" in finding.message
