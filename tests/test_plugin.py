@@ -1060,3 +1060,41 @@ def test_a_small_named_tensor_is_listed_before_larger_unreached_ones(pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*8 B  float32[[]2[]]*SMALL[[]0[]] (global in test_small.py)*"])
     result.stdout.fnmatch_lines(["and 3 more (48 KiB)"])
+
+
+# -- code the plugin must not break (issue 11) -----------------------------------------------
+def test_compiled_and_traced_tests_pass_under_memsentry_in_any_order(pytester):
+    pytester.makepyfile(test_compiled="""
+        import pytest
+        import torch
+        from torch import nn
+
+
+        def _compiled(backend):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            return torch.compile(model, backend=backend, fullgraph=True)
+
+
+        @pytest.mark.no_memsentry
+        def test_compiled_unchecked_first():
+            assert _compiled("eager")(torch.randn(2, 8)).shape == (2, 8)
+
+
+        @pytest.mark.parametrize("backend", ["eager", "inductor"])
+        def test_compiled_fullgraph(backend):
+            assert _compiled(backend)(torch.randn(2, 8)).shape == (2, 8)
+
+
+        def test_jit_trace():
+            model = nn.Linear(4, 2)
+            traced = torch.jit.trace(model, torch.randn(3, 4))
+            assert torch.equal(traced(torch.ones(3, 4)), model(torch.ones(3, 4)))
+
+
+        @pytest.mark.no_memsentry
+        def test_compiled_unchecked_after():
+            assert _compiled("eager")(torch.randn(2, 8)).shape == (2, 8)
+    """)
+    result = pytester.runpytest("--memsentry", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5)

@@ -49,6 +49,13 @@ class StorageCounter(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Step aside while torch.compile traces and compiles (Dynamo refuses to compile
+        under other dispatch modes): the counter sees the eager ops around compiled code,
+        not the kernels inside it (read by torch 2.8 and newer)."""
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         return self.dispatch(func, args, kwargs)
@@ -128,6 +135,10 @@ class ThreadCounter(TorchDispatchMode):
         super().__init__()
         self.parent = parent
         self.counting = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
