@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from memsentry.measure.storage import storage_pointer
 from pytest_memsentry.results import AUTOGRAD_CYCLE, LeakedTensor
 
 
@@ -26,14 +27,14 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     wanted = {pointers[i]: i for i in unreached}
     matches: list[torch.Tensor] = []
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and _storage(obj) in wanted:
+        if issubclass(type(obj), torch.Tensor) and storage_pointer(obj) in wanted:
             matches.append(obj)
     cycles = set()
     for tensor in matches:
         if tensor.grad_fn is not None and not any(
                 referrer is not matches and not isinstance(referrer, FrameType)
                 for referrer in gc.get_referrers(tensor)) and _modified_in_place(tensor):
-            cycles.add(_storage(tensor))
+            cycles.add(storage_pointer(tensor))
     matches.clear()
     out = list(tensors)
     for key in cycles:
@@ -63,13 +64,6 @@ def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:
                     continue
         stack.extend(child for child, _index in node.next_functions)
     return False
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
 
 
 __all__ = ["kept_by_autograd"]

@@ -65,8 +65,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default no limit; ini memsentry_max_peak)")
     group.addoption("--memsentry-strict", action="store_true", default=False,
                     help="fail tests for any memory they leave allocated; by default a "
-                         "test that leaks is run a second time and fails only if that run "
-                         "keeps more again (memory retained once is listed, not failed)")
+                         "test that leaks is run twice more when every test has run and "
+                         "fails only if the second of those keeps more again (memory "
+                         "retained once is listed, not failed)")
     group.addoption("--memsentry-report", action="store_true", default=False,
                     help="print the tests with the largest leaks and peaks at the end")
     parser.addini("memsentry", "check every test for memory leaks (as --memsentry)",

@@ -313,21 +313,25 @@ def not_judged(measurement: Measurement, limits: Limits, reason: str) -> str | N
             f"({_limit(limits.max_leak)})")
 
 
-def figures_of(user_properties: Iterable[Any]) -> Mapping[str, Any] | None:
-    """The figures a report carries, or ``None`` (pytest-xdist may turn the tuples into
-    lists)."""
+def _property(user_properties: Iterable[Any], name: str, kind: type) -> Any:
+    """The value of the ``name`` entry of a report's ``user_properties`` when it is a
+    ``kind``, or ``None`` (pytest-xdist may turn the tuples into lists)."""
     for entry in user_properties:
-        if len(entry) == 2 and entry[0] == NAME and isinstance(entry[1], Mapping):
+        if len(entry) == 2 and entry[0] == name and isinstance(entry[1], kind):
             return entry[1]
     return None
+
+
+def figures_of(user_properties: Iterable[Any]) -> Mapping[str, Any] | None:
+    """The figures a report carries, or ``None``."""
+    figures: Mapping[str, Any] | None = _property(user_properties, NAME, Mapping)
+    return figures
 
 
 def retained_of(user_properties: Iterable[Any]) -> str | None:
     """The one-line verdict of a test that retained memory once, or ``None``."""
-    for entry in user_properties:
-        if len(entry) == 2 and entry[0] == RETAINED and isinstance(entry[1], str):
-            return entry[1]
-    return None
+    verdict: str | None = _property(user_properties, RETAINED, str)
+    return verdict
 
 
 def retained_summary(entries: list[tuple[str, str]]) -> list[str]:

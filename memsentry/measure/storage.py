@@ -21,7 +21,8 @@ from memsentry.usercode.frames import user_site
 from memsentry.usercode.location import Location
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
+def storage_pointer(tensor: torch.Tensor) -> int:
+    """The data pointer of the tensor's storage (0 for storage-less layouts)."""
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -31,7 +32,17 @@ def _storage_key(tensor: torch.Tensor) -> int:
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
-class StorageCounter(TorchDispatchMode):
+class _CountingMode(TorchDispatchMode):
+    """A dispatch mode that steps aside while torch.compile traces and compiles (Dynamo
+    refuses to compile under other dispatch modes): it sees the eager ops around compiled
+    code, not the kernels inside it (read by torch 2.8 and newer)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class StorageCounter(_CountingMode):
     """Counts the bytes of tensor storages created by ops while the mode is active; ``live``
     maps the CPU storages still alive to their size. With ``sites``, also remembers the user's
     line that created each one (``None`` when no user code was on the stack), for leak
@@ -49,13 +60,6 @@ class StorageCounter(TorchDispatchMode):
         self.current = 0
         self.peak = 0
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Step aside while torch.compile traces and compiles (Dynamo refuses to compile
-        under other dispatch modes): the counter sees the eager ops around compiled code,
-        not the kernels inside it (read by torch 2.8 and newer)."""
-        return True
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         return self.dispatch(func, args, kwargs)
@@ -70,7 +74,7 @@ class StorageCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         # Views and in-place results share an input's storage: not new memory, and when the
         # input predates tracking it belongs to the baseline.
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+        inputs = {storage_pointer(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
             inputs = set()
@@ -126,7 +130,7 @@ class StorageCounter(TorchDispatchMode):
             self.sites.pop(key, None)
 
 
-class ThreadCounter(TorchDispatchMode):
+class ThreadCounter(_CountingMode):
     """A :class:`StorageCounter`'s stand-in on another thread: counts into it while
     ``counting`` is set, and only runs the ops after that (a thread may outlive the
     measurement it was started in)."""
@@ -135,10 +139,6 @@ class ThreadCounter(TorchDispatchMode):
         super().__init__()
         self.parent = parent
         self.counting = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:

@@ -111,33 +111,22 @@ class ForwardRecorder:
             self.post_forward(module, args, output)
 
     def compiled_notes(self) -> list[str]:
-        """What the report says of the modules that ran as torch.compile'd code, or inside a
-        torch.func transform."""
-        notes = []
-        if self.without_saved:
-            names = ", ".join(f"`{n}`" for n in sorted(self.without_saved))
-            notes.append(
-                f"{names} ran inside a torch.func transform (grad, vjp, jacrev), where "
-                "saved-tensor hooks are not allowed: the bytes they saved for backward there "
-                "are not measured (the rest of the call is)."
-            )
-        if self.script_names:
-            names = ", ".join(f"`{n}`" for n in sorted(self.script_names))
-            notes.append(
-                f"{names} ran as TorchScript: memsentry measured each call as a whole (memory "
-                "at its boundaries, iterations, holders); the modules inside it take no hooks "
-                "and are not measured one by one."
-            )
-        if not self.compiled:
-            return notes
-        names = ", ".join(f"`{n}`" for n in sorted(self.compiled))
-        notes.append(
-            f"{names} ran as torch.compile'd code: memsentry measured each call as a whole "
-            "(memory at its boundaries, what it saved for backward, iterations, holders) but "
-            "steps aside inside it, so the layers inside it are not measured one by one (run "
-            "it uncompiled to see them)."
+        """What the report says of the calls memsentry stepped aside for: inside a torch.func
+        transform, TorchScript, torch.compile'd code."""
+        aside = (
+            (self.without_saved, "ran inside a torch.func transform (grad, vjp, jacrev), where "
+             "saved-tensor hooks are not allowed: the bytes they saved for backward there are "
+             "not measured (the rest of the call is)."),
+            (self.script_names, "ran as TorchScript: memsentry measured each call as a whole "
+             "(memory at its boundaries, iterations, holders); the modules inside it take no "
+             "hooks and are not measured one by one."),
+            (self.compiled, "ran as torch.compile'd code: memsentry measured each call as a "
+             "whole (memory at its boundaries, what it saved for backward, iterations, "
+             "holders) but steps aside inside it, so the layers inside it are not measured one "
+             "by one (run it uncompiled to see them)."),
         )
-        return notes
+        return [f"{', '.join(f'`{n}`' for n in sorted(names))} {text}"
+                for names, text in aside if names]
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced

@@ -24,6 +24,7 @@ from memsentry.rules.series import (
     describe_holder,
     growth_rate,
     holder_series,
+    last_seen,
     latest,
     per_iteration,
     sawtooth_note,
@@ -253,8 +254,8 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
     if last.modules:
         message += f"; {last.modules} of them are whole nn.Module objects"
     if last.graph_tensors:
-        seen_at = max(i for i, entry in enumerate(row) if entry is not None)
-        least = "" if censuses[seen_at].graphs_complete else "at least "
+        seen_at = last_seen(row)
+        least = "" if seen_at is None or censuses[seen_at].graphs_complete else "at least "
         message += (
             f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
             f"their batch's graph ({least}{last.graph_nodes:,} nodes"

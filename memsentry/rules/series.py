@@ -156,10 +156,16 @@ def holder_series(report: ReportData, *, graphs: bool = False
     return censuses, series(censuses, lambda c: c.holders, lambda h: h.path)
 
 
+def last_seen(row: Sequence[object | None]) -> int | None:
+    """The position of the latest census that saw the holder (a census that lands just after
+    an epoch's reset may not), or ``None``."""
+    return next((i for i in range(len(row) - 1, -1, -1) if row[i] is not None), None)
+
+
 def latest(row: Sequence[T | None]) -> T | None:
-    """The entry of the latest census that saw the holder (a census that lands just after
-    an epoch's reset may not)."""
-    return next((entry for entry in reversed(row) if entry is not None), None)
+    """The holder's entry at the latest census that saw it."""
+    position = last_seen(row)
+    return None if position is None else row[position]
 
 
 def trend(censuses: Sequence[Census], row: Sequence[T | None],
