@@ -1096,5 +1096,7 @@ def test_compiled_and_traced_tests_pass_under_memsentry_in_any_order(pytester):
         def test_compiled_unchecked_after():
             assert _compiled("eager")(torch.randn(2, 8)).shape == (2, 8)
     """)
-    result = pytester.runpytest("--memsentry", "-p", "no:cacheprovider")
+    # In a subprocess: an in-process run would import torch._inductor and pytester would then
+    # drop those modules, so that a later import in this process registers them twice.
+    result = pytester.runpytest_subprocess("--memsentry", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
