@@ -17,7 +17,7 @@ from torch import nn
 
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
-from memsentry.record import OnLeak, Options, Recorder
+from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
 from memsentry.report import Report
 from memsentry.rules import analyse
 
@@ -48,7 +48,9 @@ class Tracker:
     finding was made: ``"warn"`` (a :class:`~memsentry.LeakWarning`), ``"raise"`` (a
     :class:`~memsentry.LeakError`, unless the block is already raising) or ``"ignore"``.
     ``holders``: search for who holds tensors at iteration boundaries; ``holder_budget``: the
-    seconds one search may take.
+    seconds one search may take. ``overhead``: the share of the loop's time measuring layers
+    may take (default 0.03); past it, layers are measured in turn, fewer each iteration, and
+    the report says so. ``None`` measures every call whatever it costs.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Tracker:
         on_leak: OnLeak = "warn",
         holders: bool = True,
         holder_budget: float = 0.5,
+        overhead: float | None = OVERHEAD,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -72,7 +75,7 @@ class Tracker:
         self._options = Options.checked(
             device=device, exact=exact, saved_tensors=saved_tensors, backward=backward,
             max_iterations=max_iterations, on_leak=on_leak, holders=holders,
-            holder_budget=holder_budget,
+            holder_budget=holder_budget, overhead=overhead,
         )
         self._recorder = Recorder(model, self._options)
         self._state = _State.NEW

@@ -25,7 +25,6 @@ from memsentry.measure.storage import StorageBackend, StorageCounter
 
 __all__ = [
     "DEDICATED_DEVICE_TYPES",
-    "SLOW_SAMPLE",
     "AcceleratorBackend",
     "CudaBackend",
     "MallinfoBackend",
@@ -40,14 +39,11 @@ __all__ = [
     "supported_device_types",
 ]
 
-#: A mallinfo2() call slower than this (seconds) makes the CPU backend count storages instead;
-#: a tracker takes some 250 samples a step, so 20 us is 5 ms a step.
-SLOW_SAMPLE = 20e-6
-
-
 def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
     """The backend measuring ``device``: CUDA's allocator, another accelerator's statistics,
-    glibc counters, or storage counting."""
+    glibc counters, or storage counting (``exact``, or where glibc has no ``mallinfo2``).
+    However slow ``mallinfo2()`` is on a fragmented heap, the recorder keeps its cost within
+    its budget (:mod:`memsentry.record.coverage`)."""
     check_supported(device, f"device {str(device)!r}")
     if device.type == "cuda":
         return CudaBackend(device, exact=exact)
@@ -55,14 +51,4 @@ def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
         return AcceleratorBackend(device, exact=exact)
     if exact or MALLINFO2_UNAVAILABLE is not None:
         return StorageBackend()
-    backend = MallinfoBackend()
-    cost = backend.sample_cost()
-    if cost > SLOW_SAMPLE:
-        storages = StorageBackend()
-        storages.notes = (
-            *storages.notes,
-            f"glibc mallinfo2() took {cost * 1e6:,.0f} us a call on this process's fragmented "
-            "heap (it walks every free chunk), so memsentry counts tensor storages instead.",
-        )
-        return storages
-    return backend
+    return MallinfoBackend()

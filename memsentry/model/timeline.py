@@ -23,6 +23,8 @@ class LayerStats:
     - ``forward_delta``: allocated after the forward minus allocated before it.
     - ``forward_peak``: highest allocated during the forward minus allocated before it.
     - ``backward_delta`` / ``backward_peak``: the same around the module's backward.
+    - ``measured_calls``: the forward calls whose memory was read (the others were counted
+      only, when measuring every call would have cost more than ``track(overhead=...)``).
     """
 
     name: str
@@ -38,6 +40,7 @@ class LayerStats:
     backward_peak: int | None = None
     backward_calls: int = 0
     is_leaf: bool = True
+    measured_calls: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@ the only mutable state of memsentry.
 
 ``options`` (checked arguments), ``layers`` (per-layer accumulators and names), ``calls``
 (running forwards and backwards), ``sampler`` (reading the backend on the hot path),
+``coverage`` (which calls are measured, within a share of the loop's time),
 ``forward`` (module hooks and the saved-tensor hook), ``backward`` (each layer's backward),
 ``roots`` (forwards no backward used), ``timeline`` (the iteration clock and timeline),
 ``schedule`` (when censuses run) and ``recorder`` (the shell that wires them).
 """
 
+from memsentry.record.coverage import OVERHEAD
 from memsentry.record.options import ON_LEAK, OnLeak, Options
 from memsentry.record.recorder import Recorder
 from memsentry.record.schedule import census_due
 
-__all__ = ["ON_LEAK", "OnLeak", "Options", "Recorder", "census_due"]
+__all__ = ["ON_LEAK", "OVERHEAD", "OnLeak", "Options", "Recorder", "census_due"]

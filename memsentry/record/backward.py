@@ -9,6 +9,7 @@ multi-grad hooks: they cost the least inside the autograd engine (measured 1.010
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from memsentry.record.calls import BackwardCall, PassEnd
+from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRecord
 from memsentry.record.sampler import Sampler
 from memsentry.record.timeline import IterationClock
@@ -43,8 +45,9 @@ class BackwardTimer:
     which raises their peaks."""
 
     def __init__(self, sampler: Sampler, running: dict[int, BackwardCall],
-                 clock: IterationClock) -> None:
+                 clock: IterationClock, coverage: Coverage) -> None:
         self.active = False
+        self._coverage = coverage
         self._sampler = sampler
         self._clock = clock
         self.running = running
@@ -74,10 +77,12 @@ class BackwardTimer:
         def open_backward(_grad_outputs: Any) -> None:
             if call.state or not self.active:
                 return
+            started = time.perf_counter()
             allocated = self._sampler.sample()
             call.state, call.start, call.peak = BackwardCall.RUNNING, allocated, allocated
             self.running[id(call)] = call
             self._pass_end.arm()
+            self._coverage.count(started)
 
         return open_backward
 
@@ -85,15 +90,16 @@ class BackwardTimer:
         def close_backward(_grad_outputs: Any) -> None:
             if call.state != BackwardCall.RUNNING or not self.active:
                 return
+            started = time.perf_counter()
             self._finish(call, self._sampler.sample())
             del self.running[id(call)]
+            self._coverage.count(started)
 
         return close_backward
 
     def _finish(self, call: BackwardCall, allocated: int) -> None:
         call.state = BackwardCall.DONE
-        if not self._sampler.coarse:  # boundary-only sampling: the figures would be stale
-            call.record.add_backward(allocated - call.start, call.peak - call.start)
+        call.record.add_backward(allocated - call.start, call.peak - call.start)
 
     def _end_backward(self) -> None:
         """End of a backward pass: close the calls whose inputs needed no gradient."""

@@ -53,7 +53,9 @@ class BackwardCall:
 @dataclass(eq=False)
 class ForwardCall:
     """One module call whose forward is running: memory at its start, the highest seen since,
-    and the storages saved for backward inside it (pointer -> bytes)."""
+    and the storages saved for backward inside it (pointer -> bytes). An outermost call that
+    is not ``measured`` is only counted (see :mod:`memsentry.record.coverage`); ``pushed``:
+    the call put the saved-tensor hooks on the stack and takes them off when it ends."""
 
     record: LayerRecord
     start: int
@@ -61,3 +63,5 @@ class ForwardCall:
     saved: dict[int, int] = field(default_factory=dict)
     saved_bytes: int = 0
     backward: BackwardCall | None = None
+    measured: bool = True
+    pushed: bool = False

@@ -10,6 +10,7 @@ repeated at unpack.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
+from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRegistry, compiled_original, storage_bytes
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
@@ -52,6 +54,16 @@ def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     return tensor
 
 
+def _fold_into(parent: ForwardCall, call: ForwardCall) -> None:
+    """A call ended inside ``parent``: its peak and what it saved are the parent's too."""
+    if call.peak > parent.peak:
+        parent.peak = call.peak
+    for key, size in call.saved.items():
+        if key not in parent.saved:
+            parent.saved[key] = size
+            parent.saved_bytes += size
+
+
 class ForwardRecorder:
     """The forward hooks and the saved-tensor pack hook of one recorder.
 
@@ -64,9 +76,15 @@ class ForwardRecorder:
 
     def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
                  stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
-                 saved: bool, start_backend: Callable[[nn.Module, Any], None],
+                 saved: bool, coverage: Coverage,
+                 start_backend: Callable[[nn.Module, Any], None],
                  iteration_start: Callable[[nn.Module], None]) -> None:
         self.active = False
+        self.coverage = coverage
+        self.anchors: set[int] = set()  # layers called outermost: always hooked
+        self._module_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._unhooked: set[int] = set()  # layers of the model whose hooks the window took
+        self._window: set[int] | None = None  # the window the hooks follow (None: all)
         self.stack = stack
         self._registry = registry
         self._sampler = sampler
@@ -89,18 +107,65 @@ class ForwardRecorder:
 
     def hook_model(self, model: nn.Module) -> list[RemovableHandle]:
         """Forward hooks on every module of ``model``; its TorchScript modules, which take no
-        module hooks, get global hooks that let only their calls through."""
+        module hooks, get global hooks that let only their calls through. The module hooks
+        are kept apart (:meth:`module_handles`): :meth:`follow_window` moves them."""
         handles = []
         for module in model.modules():
             if isinstance(module, torch.jit.ScriptModule):
                 self.scripted.add(module)
                 continue
-            handles.append(module.register_forward_pre_hook(self.pre_forward))
-            handles.append(module.register_forward_hook(self.post_forward, always_call=True))
+            self._hook(module)
         if len(self.scripted):
             handles.append(register_module_forward_pre_hook(self.scripted_pre))
             handles.append(register_module_forward_hook(self.scripted_post, always_call=True))
         return handles
+
+    def _hook(self, module: nn.Module) -> None:
+        self._module_hooks[id(module)] = (
+            module.register_forward_pre_hook(self.pre_forward),
+            module.register_forward_hook(self.post_forward, always_call=True),
+        )
+
+    def module_handles(self) -> list[RemovableHandle]:
+        """The hooks on the model's modules now."""
+        return [handle for pair in self._module_hooks.values() for handle in pair]
+
+    def unhook_modules(self) -> None:
+        for pre, post in self._module_hooks.values():
+            pre.remove()
+            post.remove()
+        self._module_hooks.clear()
+
+    def follow_window(self) -> None:
+        """After the window moved: the model's modules outside it lose their hooks (a module
+        with no hook costs the loop nothing), those inside it get theirs back. Modules called
+        outermost keep theirs: they mark iterations. A module never called keeps its hooks.
+        Only the modules whose side of the window changed are visited."""
+        window = self.coverage.window()
+        if window is None and self._window is None:
+            return
+        if window is None:
+            changed = set(self._unhooked)
+        elif self._window is None:
+            changed = set(range(self.coverage.layers))
+        else:
+            changed = window ^ self._window
+        self._window = window
+        modules = self._registry.by_index() if changed else {}
+        for index in changed:
+            module = modules.get(index)
+            if module is None or index in self.anchors:
+                continue
+            hooked = id(module) in self._module_hooks
+            if window is None or index in window:
+                if not hooked and index in self._unhooked:
+                    self._unhooked.discard(index)
+                    self._hook(module)
+            elif hooked:
+                pre, post = self._module_hooks.pop(id(module))
+                pre.remove()
+                post.remove()
+                self._unhooked.add(index)
 
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
         if module in self.scripted:
@@ -135,68 +200,84 @@ class ForwardRecorder:
             return
         if self._sampler.backend is None:
             self._start_backend(module, args)
-        parent = self.stack[-1].record if self.stack else None
+        stack = self.stack
+        parent = stack[-1].record if stack else None
         if parent is None:
             self._iteration_start(module)
         record = self._registry.record_for(module, parent)
+        coverage = self.coverage
+        coverage.calls += 1
+        measured = coverage.measures(record.index)
+        if not measured and parent is not None:  # counted only; nothing goes on the stack
+            record.calls += 1
+            return
+        started = time.perf_counter()
         if compiled_original(module) is not None:
             self.compiled.add(record.name)
         elif isinstance(module, torch.jit.ScriptModule):
             self.script_names.add(record.name)
-        if parent is None and self._saved:
-            self._push_saved_hooks(record.name)
-        if parent is not None:
+        if parent is None:
+            self.anchors.add(record.index)
+        else:
             parent.is_leaf = False
-        allocated = self._sampler.sample()
+        pushed = measured and self._saved and self._push_saved_hooks(record.name)
+        allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)
-        call = ForwardCall(record, allocated, allocated)
-        self.stack.append(call)
-        if self._backward is not None and torch.is_grad_enabled():
+        call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed)
+        stack.append(call)
+        if measured and self._backward is not None and torch.is_grad_enabled():
             call.backward = self._backward.watch_inputs(record, args)
+        if measured:
+            coverage.count(started)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        if not self.active or not self.stack:
+        stack = self.stack
+        if not self.active or not stack:
             return
-        allocated = self._sampler.sample()
-        call = self.stack.pop()
         record = self._registry.record_for(module, None)
-        while call.record is not record and self.stack:  # a child whose post hook never ran
-            call = self.stack.pop()
+        if stack[-1].record is not record and all(c.record is not record for c in stack):
+            return  # a call that was only counted
+        started = time.perf_counter()
+        # Read before the call leaves the stack: the reading raises its peak.
+        allocated = self._sampler.sample() if stack[-1].measured else 0
+        call = stack.pop()
+        while call.record is not record and stack:  # a child whose post hook never ran
+            call = stack.pop()
+        measured = call.measured
         outputs = tensors_in(output)
-        measured = not self._sampler.coarse  # boundary-only sampling: figures would be stale
-        record.add_forward(
-            delta=allocated - call.start if measured else None,
-            peak=call.peak - call.start if measured else None,
-            output=storage_bytes(outputs),
-            saved=call.saved_bytes if self._saved else None,
-        )
-        if self.stack:
-            parent = self.stack[-1]
-            if call.peak > parent.peak:
-                parent.peak = call.peak
-            for key, size in call.saved.items():
-                if key not in parent.saved:
-                    parent.saved[key] = size
-                    parent.saved_bytes += size
+        if measured:
+            record.add_forward(
+                delta=allocated - call.start, peak=call.peak - call.start,
+                output=storage_bytes(outputs),
+                saved=call.saved_bytes if self._saved else None,
+            )
+        else:
+            record.calls += 1
+        if stack and measured:
+            _fold_into(stack[-1], call)
         grad = torch.is_grad_enabled()
-        if not self.stack and grad:
+        if not stack and grad:
             self._roots.watch(record.name, not module.training,
-                              call.saved_bytes if self._saved else None, outputs)
+                              call.saved_bytes if self._saved and measured else None, outputs)
         if call.backward is not None and grad and self._backward is not None:
             self._backward.watch_outputs(call.backward, outputs)
-        if not self.stack:
+        if call.pushed or not stack:
             self.pop_saved_hooks()
+        if measured:
+            self.coverage.count(started)
 
-    def _push_saved_hooks(self, name: str) -> None:
+    def _push_saved_hooks(self, name: str) -> bool:
+        """Put the saved-tensor hooks on the stack for a measured call; whether it did."""
         if self._hooks is not None:
-            return
+            return False
         if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
             self.without_saved.add(name)  # torch.func's grad/vjp: hooks would raise there
-            return
+            return False
         self._hooks = saved_tensors_hooks(self.pack, unpack)
         self._hooks.__enter__()
+        return True
 
     def pop_saved_hooks(self) -> None:
         """Take the saved-tensor hooks off the stack (after the outermost call, or at stop)."""
@@ -208,6 +289,7 @@ class ForwardRecorder:
         if torch.compiler.is_compiling():  # traced into a compiled graph: keep it as it is
             return tensor, UNCHECKED
         if self.active and self._sampler.backend is not None:
+            started = time.perf_counter()
             if self._sampler.in_ops:
                 self._sampler.sample()
             if self.stack:  # parameters and buffers saved by an op are not new memory
@@ -215,6 +297,7 @@ class ForwardRecorder:
                 call.saved_bytes += storage_bytes(
                     [tensor], call.saved, skip=self._registry.static_storages
                 )
+            self.coverage.count(started)
         # A detached alias: saving the tensor itself would make a saved output reference its
         # own grad_fn (a cycle only the garbage collector frees).
         return tensor.detach(), tensor._version

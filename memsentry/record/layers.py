@@ -38,15 +38,17 @@ class LayerRecord:
     backward_peak: int | None = None
     backward_calls: int = 0
     is_leaf: bool = True
+    index: int = 0  # the layer's place in first-call order
+    measured: int = 0  # forward calls measured (some are only counted, see record.coverage)
 
     def add_forward(self, delta: int | None, peak: int | None, output: int,
                     saved: int | None) -> None:
         """Fold in one forward call. The first call's deltas and peaks carry one-time set-up
         (thread pools, kernels' workspaces, lazily created buffers), so from the second call
-        on they are replaced by the worst of the later calls. ``None``: not measured (memory
-        was sampled at iteration boundaries only)."""
+        on they are replaced by the worst of the later calls."""
         self.calls += 1
-        if self.calls == 2:
+        self.measured += 1
+        if self.measured == 2:
             self.forward_delta = self.forward_peak = None
         if delta is not None and peak is not None:
             self.forward_delta = _max(self.forward_delta, delta)
@@ -78,6 +80,7 @@ class LayerRecord:
             backward_peak=self.backward_peak,
             backward_calls=self.backward_calls,
             is_leaf=self.is_leaf,
+            measured_calls=self.measured,
         )
 
 
@@ -190,11 +193,12 @@ class LayerRegistry:
         if len(self.records) >= MAX_LAYERS:
             record = self.records.get(OVERFLOW_LAYER)
             if record is None:
-                record = LayerRecord(OVERFLOW_LAYER, "various", 1, 0)
+                record = LayerRecord(OVERFLOW_LAYER, "various", 1, 0, index=MAX_LAYERS)
                 self.records[OVERFLOW_LAYER] = record
             self._by_module[module] = record
             return record
-        record = LayerRecord(name, type(module).__name__, depth, _param_bytes(module))
+        record = LayerRecord(name, type(module).__name__, depth, _param_bytes(module),
+                             index=len(self.records))
         for tensor in (*module.parameters(), *module.buffers()):
             try:
                 self.static_storages.add(tensor.untyped_storage().data_ptr())
@@ -206,6 +210,14 @@ class LayerRegistry:
 
     def freeze(self) -> tuple[LayerStats, ...]:
         return tuple(record.freeze() for record in self.records.values() if record.calls)
+
+    def by_index(self) -> dict[int, nn.Module]:
+        """Each live module called so far, by its layer's number."""
+        return {record.index: module for module, record in list(self._by_module.items())}
+
+    def record_of(self, module: nn.Module) -> LayerRecord | None:
+        """The record of ``module`` if it was called, without creating one."""
+        return self._by_module.get(module)
 
     def modules(self) -> list[tuple[str, nn.Module]]:
         """(name, module) of every module called so far that is still alive."""

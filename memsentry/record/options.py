@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from memsentry.measure import parse_device
+from memsentry.record.coverage import OVERHEAD
 
 OnLeak = Literal["warn", "raise", "ignore"]
 ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
@@ -25,11 +26,13 @@ class Options:
     on_leak: OnLeak = "warn"
     holders: bool = True
     holder_budget: float = 0.5
+    overhead: float | None = OVERHEAD
 
     @classmethod
     def checked(cls, *, device: torch.device | str | int | None, exact: object,
                 saved_tensors: object, backward: object, max_iterations: object,
-                on_leak: object, holders: object, holder_budget: object) -> Options:
+                on_leak: object, holders: object, holder_budget: object,
+                overhead: object = OVERHEAD) -> Options:
         """Options from ``track()``'s arguments; a bad one raises an error naming it and what
         it accepts."""
         flags = {"exact": exact, "saved_tensors": saved_tensors, "backward": backward,
@@ -48,6 +51,14 @@ class Options:
                 "track(holder_budget=...) is the seconds one holder search may take, a number "
                 f"above 0 (default 0.5), got {holder_budget!r}"
             )
+        if overhead is not None and (isinstance(overhead, bool)
+                                     or not isinstance(overhead, int | float)
+                                     or not 0 < overhead <= 10):
+            raise ValueError(
+                "track(overhead=...) is the share of the loop's time memsentry may spend "
+                "measuring layers, a number above 0 (default 0.03, i.e. 3%), or None to measure "
+                f"every call whatever it costs; got {overhead!r}"
+            )
         if on_leak not in ON_LEAK:
             raise ValueError(
                 f"track(on_leak={on_leak!r}): use one of {', '.join(map(repr, ON_LEAK))}"
@@ -57,4 +68,5 @@ class Options:
             exact=bool(exact), saved_tensors=bool(saved_tensors), backward=bool(backward),
             max_iterations=max_iterations, on_leak=on_leak,
             holders=bool(holders), holder_budget=float(holder_budget),
+            overhead=None if overhead is None else float(overhead),
         )

@@ -31,6 +31,7 @@ from memsentry.measure import (
 from memsentry.model import Boundary, IterationStats, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import BackwardCall, ForwardCall
+from memsentry.record.coverage import Coverage, coverage_notes
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
@@ -65,8 +66,9 @@ class Recorder:
         self._clock = IterationClock()
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
-        self._sampler = Sampler(self._stack, running, self._clock)
-        self._backward = (BackwardTimer(self._sampler, running, self._clock)
+        self._sampler = Sampler(self._stack, running)
+        self._coverage = Coverage(options.overhead)
+        self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
         self._roots = RootCalls(self._clock, self._backward_ended)
         self._signals = Signals()
@@ -74,7 +76,8 @@ class Recorder:
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
-            saved=options.saved_tensors, start_backend=self._start_lazily,
+            saved=options.saved_tensors, coverage=self._coverage,
+            start_backend=self._start_lazily,
             iteration_start=self._outermost_call,
         )
         self._handles: list[Any] = []
@@ -137,6 +140,7 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._forward.unhook_modules()
         if self._censuses.gc_event in gc.callbacks:
             gc.callbacks.remove(self._censuses.gc_event)
         self._roots.settle(everything=True)
@@ -211,7 +215,7 @@ class Recorder:
         sampler = self._sampler
         assert sampler.backend is not None
         now = time.perf_counter()
-        allocated = sampler.sample(boundary=True)
+        allocated = sampler.sample()
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
                                     sampler.peak, now)
         parts: list[IterationStats] = []
@@ -233,17 +237,21 @@ class Recorder:
         if self._censuses.pending is not None:  # no module ran since the last boundary
             self._censuses.take_pending(**self._census_roots())
             now = time.perf_counter()  # the census's own time is not the loop's
-            allocated = sampler.sample(boundary=True)
+            allocated = sampler.sample()
         if self.options.holders and boundary != Boundary.EXIT \
                 and census_due(self._clock.index):
             self._censuses.pending = self._clock.index
+        self._coverage.end_iteration(self._clock.index, closing.seconds,
+                                     len(self._registry.records))
+        self._forward.follow_window()
         self._clock.advance(now)
         sampler.peak = allocated
 
     def _census_roots(self) -> dict[str, Any]:
         """What a census needs from the recorder: the model, memsentry's hooks, itself."""
         model = self._model_ref() if self._model_ref is not None else None
-        own = {handle.id for handle in self._handles if hasattr(handle, "id")}
+        handles = [*self._handles, *self._forward.module_handles()]
+        own = {handle.id for handle in handles if hasattr(handle, "id")}
         return {"model": model, "own_hooks": own, "skip": {id(self)}}
 
     # -- results ---------------------------------------------------------------------------
@@ -259,7 +267,7 @@ class Recorder:
                 torch_version=torch.__version__,
             )
         if self.active or self._final is None:
-            allocated = self._sampler.sample(boundary=True)
+            allocated = self._sampler.sample()
             reserved, counters = backend.reserved(), read_counters(backend)
         else:  # read at the end of recording
             allocated, reserved, counters = self._final
@@ -267,8 +275,7 @@ class Recorder:
         signal_note = self._signals.note()
         if signal_note:
             notes.append(signal_note)
-        if self._sampler.coarse_note:
-            notes.append(self._sampler.coarse_note)
+        notes += coverage_notes(self._coverage, self._registry)
         notes += self._censuses.budget_notes()
         notes += self._forward.compiled_notes()
         return ReportData(

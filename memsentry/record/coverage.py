@@ -1,0 +1,123 @@
+"""Which module calls are measured: every call while that is cheap, a rotating share of the
+layers once measuring every call would cost more than its share of the loop's time.
+
+Measuring a call costs a few microseconds of Python in its hooks, a backend read at each of
+its boundaries (glibc ``mallinfo2()`` walks every free chunk of the heap, so on a fragmented
+heap one read takes 100 us and more) and the saved-tensor and backward hooks of its ops. On a
+model of thousands of small modules, or once the heap fragments, that is many times the step.
+So the time memsentry spends inside the hooks of measured calls is clocked, and at the end
+of each iteration the number of layers measured in the next one is set so that this time
+stays within ``overhead`` of the loop's own time. The layers measured move on by that many
+each iteration, so every layer keeps being measured for the whole run, each in fewer calls.
+
+Layers are numbered in first-call order (``LayerRecord.index``). A layer is measured in an
+iteration when its number falls in that iteration's window; the first iterations measure
+every call, so every layer has figures from the start.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from memsentry.record.layers import LayerRegistry
+
+#: The share of the loop's own time memsentry may spend measuring layers, by default.
+OVERHEAD = 0.03
+#: Own time per iteration (seconds) that never makes the window shrink, whatever the share:
+#: a loop of small steps is measured in full.
+FLOOR = 2e-3
+#: What PyTorch adds to a module call for having hooks at all, even hooks that return at
+#: once (5.9 us for a pre and a post hook, measured on this project's CI machine).
+DISPATCH = 6e-6
+#: Iterations measured in full before the window may shrink.
+FULL_FIRST = 3
+
+
+class Coverage:
+    """The window of measured layers, and the clock of the time spent measuring them.
+
+    ``overhead`` is the share of the loop's time measuring may take (``None``: no limit).
+    Hooks add to ``own`` the seconds they spent on measured calls, and count every call they
+    saw in ``calls``; :meth:`end_iteration` sets the next window from them.
+    """
+
+    def __init__(self, overhead: float | None) -> None:
+        self.overhead = overhead
+        self.layers = 0  # layers known (numbered 0 .. layers - 1)
+        self.size = math.inf  # layers measured per iteration
+        self.offset = 0  # the first layer of the window
+        self.own = 0.0
+        self.calls = 0
+        self.since: int | None = None  # the first iteration measured in part
+        self.busiest: tuple[float, float] | None = None  # (own cost, loop time) that shrank it
+        self.narrowest = math.inf
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.layers
+
+    def measures(self, index: int) -> bool:
+        """Whether the call of layer ``index`` is measured in this iteration."""
+        if self.size >= self.layers or index >= self.layers:
+            return True  # a layer first seen in this iteration is measured
+        return (index - self.offset) % self.layers < self.size
+
+    def window(self) -> set[int] | None:
+        """The layers measured in this iteration (``None``: all)."""
+        if self.full:
+            return None
+        return {(self.offset + k) % self.layers for k in range(int(self.size))}
+
+    def count(self, started: float) -> None:
+        """A hook that began at ``started`` (``time.perf_counter()``) measured a call."""
+        self.own += time.perf_counter() - started
+
+    def end_iteration(self, index: int, seconds: float, layers: int) -> None:
+        """Iteration ``index`` ended after ``seconds``; ``layers`` layers are known now.
+        Sets the window of the next iteration: its size in proportion to the time left in
+        the budget (at most doubling at once), its start moved past this iteration's."""
+        own = self.own + DISPATCH * self.calls
+        self.own, self.calls = 0.0, 0
+        was_full = self.full
+        current = float(layers) if was_full else self.size
+        self.layers = layers
+        if self.overhead is None or index + 1 < FULL_FIRST or layers == 0:
+            return
+        loop = max(seconds - own, 1e-9)
+        allowed = max(self.overhead * loop, FLOOR)
+        if was_full and own <= allowed:
+            return
+        size = math.floor(current * min(2.0, allowed / own if own > 0 else 2.0))
+        if size >= layers:
+            self.size, self.offset = math.inf, 0
+            return
+        size = max(1, size)
+        if was_full:
+            self.since = index + 1
+            self.busiest = (own, loop)
+            self.offset = 0
+        else:
+            self.offset = (self.offset + int(current)) % layers
+        self.size = size
+        self.narrowest = min(self.narrowest, size)
+
+
+def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
+    """What the report says when layers were measured in turn (nothing when every call was)."""
+    if coverage.since is None or coverage.busiest is None:
+        return []
+    own, loop = coverage.busiest
+    measured = [r for r in registry.records.values() if r.calls]
+    fewest = min(measured, key=lambda r: (r.measured, r.index)) if measured else None
+    share = f"{coverage.overhead:.0%}" if coverage.overhead is not None else "no limit"
+    detail = (f" The least measured layer, `{fewest.name}`, was measured in {fewest.measured} "
+              "calls." if fewest is not None else "")
+    return [
+        f"Measuring every layer call took {own * 1e3:.1f} ms an iteration, "
+        f"{own / loop:.0%} of the loop's {loop * 1e3:.1f} ms (the limit is {share}, "
+        f"track(overhead=...)). From iteration {coverage.since} memsentry measured the layers "
+        f"in turn, as few as {int(coverage.narrowest)} of {coverage.layers} an iteration, so "
+        "each layer's figures come from some of its calls (the iterations table still has "
+        f"every boundary).{detail} track(overhead=None) measures every call."
+    ]

@@ -1,0 +1,122 @@
+"""Layers measured in turn once measuring every call would cost more than its share of the
+loop's time: results unchanged, every layer still measured, leaks still found, hooks off the
+modules outside the window, and the report saying so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memsentry
+import memsentry.record.coverage as coverage_module
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)],
+                         nn.Linear(16, 2))
+
+
+def train(model: nn.Module, steps: int, *, kept: list[torch.Tensor] | None = None,
+          watch: list[int] | None = None) -> list[float]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if kept is not None:
+            kept.append(torch.randn(32 * 1024))  # 128 KiB a step, kept
+        if watch is not None:  # how many of the model's modules carry a hook now
+            watch.append(sum(bool(m._forward_pre_hooks) for m in model.modules()))
+    return losses
+
+
+@pytest.fixture
+def no_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small test models cost less than the floor below which nothing rotates."""
+    monkeypatch.setattr(coverage_module, "FLOOR", 0.0)
+
+
+def test_over_budget_layers_are_measured_in_turn_with_bitwise_results(no_floor: None) -> None:
+    plain_model = make_model()
+    plain = train(plain_model, 20)
+    model = make_model()
+    hooked: list[int] = []
+    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+        tracked = train(model, 20, watch=hooked)
+    assert plain == tracked
+    assert all(torch.equal(a, b) for a, b in
+               zip(plain_model.state_dict().values(), model.state_dict().values(), strict=True))
+    report = t.report()
+    (note,) = [n for n in report.notes if "measured the layers in turn" in n]
+    assert "track(overhead=None)" in note
+    modules = len(list(model.modules()))
+    # In the first iterations every module is hooked; once the window shrank, only the
+    # root (it marks iterations) and the window's modules are.
+    assert hooked[0] == modules
+    assert min(hooked) <= 3 < modules
+    # Every layer still has figures, from fewer calls than it ran.
+    leaves = [layer for layer in report.layers if layer.type in {"Linear", "Tanh"}]
+    assert len(leaves) == 13
+    assert all(layer.forward_delta is not None and layer.backward_peak is not None
+               for layer in leaves)
+    assert all(layer.output_bytes == 8 * 16 * 4 for layer in leaves if layer.type == "Tanh")
+    assert not any(f.severity is memsentry.Severity.LEAK for f in report.findings)
+
+
+def test_a_leak_is_found_while_layers_are_measured_in_turn(no_floor: None) -> None:
+    model = make_model()
+    kept: list[torch.Tensor] = []
+    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+        train(model, 12, kept=kept)
+    report = t.report()
+    assert any("measured the layers in turn" in n for n in report.notes)
+    leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+    assert [f.rule for f in leaks] == ["tensor-accumulation"]
+    assert "`kept`" in leaks[0].message
+
+
+def test_global_hooks_measure_in_turn_too(no_floor: None) -> None:
+    model = make_model()
+    with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
+        train(model, 16)
+    report = t.report()
+    assert any("measured the layers in turn" in n for n in report.notes)
+    leaves = [layer for layer in report.layers if layer.type in {"Linear", "Tanh"}]
+    assert len(leaves) == 13 and all(layer.forward_delta is not None for layer in leaves)
+    root = report.layer("Sequential")
+    assert root.calls == 16  # outermost calls are all counted
+
+
+def test_without_a_limit_every_call_is_measured(no_floor: None) -> None:
+    model = make_model()
+    hooked: list[int] = []
+    with memsentry.track(model, overhead=None, on_leak="ignore") as t:
+        train(model, 8, watch=hooked)
+    report = t.report()
+    assert not any("in turn" in n for n in report.notes)
+    assert set(hooked) == {len(list(model.modules()))}
+    assert {layer.calls for layer in report.layers} == {8}
+
+
+def test_a_cheap_loop_is_measured_in_full() -> None:
+    # The default limit with the floor: a small model's hooks cost far less than 2 ms a step.
+    model = make_model()
+    with memsentry.track(model, on_leak="ignore") as t:
+        train(model, 8)
+    report = t.report()
+    assert not any("in turn" in n for n in report.notes)
+    assert {layer.calls for layer in report.layers} == {8}
+
+
+@pytest.mark.parametrize("overhead", [0, -0.1, "3%", True, 11])
+def test_a_bad_overhead_is_refused_before_anything_is_hooked(overhead: object) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match=r"track\(overhead=\.\.\.\)"):
+        memsentry.track(model, overhead=overhead)  # type: ignore[arg-type]
+    assert not any(m._forward_pre_hooks for m in model.modules())
