@@ -274,6 +274,7 @@ class Walk:
         self.holders: dict[tuple[Step, ...], Holder] = {}
         self.items: dict[tuple[Step, ...], tuple[int, int | None]] = {}
         self.queue: collections.deque[_Item] = collections.deque()
+        self.large: collections.deque[tuple[_Item, Any, type]] = collections.deque()
         self.visited = 0
         self.live_frames = live_frames or set()
 
@@ -326,7 +327,16 @@ class Walk:
         return size
 
     def run(self) -> None:
-        while self.queue and not self.budget.spent():
+        """Visit what is queued, breadth first; the children of large containers come after
+        everything else, so that one container of millions of items cannot use up the
+        budget before the rest was seen."""
+        while not self.budget.spent():
+            if not self.queue:
+                if not self.large:
+                    return
+                item, obj, cls = self.large.popleft()
+                self._enqueue_children(item, obj, cls)
+                continue
             item = self.queue.popleft()
             obj = item.obj
             if id(obj) in self.seen:
@@ -394,7 +404,10 @@ class Walk:
                 self.holders[item.path].items = len(obj)
                 self.holders[item.path].bound = bound
         if item.depth < _MAX_DEPTH and not only_atoms(obj):
-            self._enqueue_children(item, obj, cls)
+            if isinstance(obj, _CONTAINERS) and len(obj) > LARGE:
+                self.large.append((item, obj, cls))
+            else:
+                self._enqueue_children(item, obj, cls)
 
     def _enqueue_children(self, item: _Item, obj: Any, cls: type,
                           held: Iterator[Child] | None = None) -> None:
