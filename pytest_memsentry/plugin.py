@@ -46,9 +46,12 @@ from pytest_memsentry.results import (
 
 if TYPE_CHECKING:
     from memsentry import Tracker
+    from pytest_memsentry.heap import HeapCheck
     from pytest_memsentry.measure import CudaApi, Window
 
 LIMITS = pytest.StashKey[Limits]()
+CHECKS = ("heap", "storages")
+_TRIGGER_KIB = 64  # pytest_memsentry.heap.TRIGGER (not imported here: it imports torch)
 STATUS = {"leaked": ("failed", "L", "LEAKED"), "peak": ("failed", "P", "PEAK EXCEEDED")}
 
 
@@ -68,12 +71,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "test that leaks is run twice more when every test has run and "
                          "fails only if the second of those keeps more again (memory "
                          "retained once is listed, not failed)")
+    group.addoption("--memsentry-check", metavar="HOW", default=None,
+                    help="how a test is first looked at: 'heap' (default: the growth of "
+                         "glibc's heap in use, at no cost to the test's ops; a test that grew "
+                         f"it by more than {_TRIGGER_KIB} KiB is run again with its tensor "
+                         "storages counted) or 'storages' (every storage made by every op "
+                         "counted from the first run: sees leaks of any size, at a cost per "
+                         "op; ini memsentry_check)")
     group.addoption("--memsentry-report", action="store_true", default=False,
                     help="print the tests with the largest leaks and peaks at the end")
     parser.addini("memsentry", "check every test for memory leaks (as --memsentry)",
                   type="bool", default=False)
     parser.addini("memsentry_strict", "fail for memory retained once too (as "
                   "--memsentry-strict)", type="bool", default=False)
+    parser.addini("memsentry_check", "default of --memsentry-check", default="")
     parser.addini("memsentry_max_leak", "default of --memsentry-max-leak", default="")
     parser.addini("memsentry_max_peak", "default of --memsentry-max-peak", default="")
 
@@ -92,6 +103,20 @@ def _size_option(config: pytest.Config, name: str) -> int | None:
         return parse_size(value.strip() if isinstance(value, str) else value)
     except ValueError as error:
         raise pytest.UsageError(f"{source}={value!r}: {error}") from None
+
+
+def _check_option(config: pytest.Config) -> str:
+    value = config.getoption("memsentry_check")
+    source = "--memsentry-check"
+    if value is None:
+        value = config.getini("memsentry_check").strip() or "heap"
+        source = "ini option memsentry_check"
+    if value not in CHECKS:
+        raise pytest.UsageError(
+            f"{source}={value!r}: use 'heap' (the default, cheap: a closer look only at "
+            "tests that grew the heap) or 'storages' (every storage counted, any size)"
+        )
+    return str(value)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -117,12 +142,13 @@ class Manager:
         self.report = bool(config.getoption("memsentry_report"))
         self.strict = bool(config.getoption("memsentry_strict")
                            or config.getini("memsentry_strict"))
+        self.check = _check_option(config)
         self.results: list[tuple[str, Any]] = []
         self.retained: list[tuple[str, str]] = []  # (nodeid, verdict) of tests that kept
         # memory once: listed at the end, failed only under --memsentry-strict
         self.pending: list[Pending] = []  # tests that left memory behind, to repeat
         self.cuda: CudaApi | None = None  # torch.cuda, once a test is measured
-        self.window: Window | None = None
+        self.window: Window | HeapCheck | None = None
         self.fixture_growth: dict[Any, dict[int, int]] = {}
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -154,12 +180,7 @@ class Manager:
         limits = item.stash.get(LIMITS, None)
         if limits is None or "torch" not in sys.modules:
             return None  # pytest's own protocol runs the test
-        from pytest_memsentry.measure import TorchCuda, Window, warm_up
-
-        warm_up()
-        if self.cuda is None:
-            self.cuda = TorchCuda()
-        window = Window(self.cuda, self.fixture_growth)
+        window = self._window_for(limits)
         try:
             window.start()
         except Exception as error:  # never keep a test from running
@@ -187,6 +208,24 @@ class Manager:
         _log(item, reports)
         return True
 
+    def _window_for(self, limits: Limits) -> Window | HeapCheck:
+        """The heap check by default; tensor storages counted from the first run under
+        ``--memsentry-strict`` (every leak fails, so each needs its tensors), for a peak
+        limit (a peak is only known op by op), without glibc, and once CUDA is initialised
+        (the CUDA figures name their tensors through the counter)."""
+        import torch
+
+        from pytest_memsentry import heap
+        from pytest_memsentry.measure import TorchCuda, Window, warm_up
+
+        if not (self.check == "storages" or self.strict or limits.max_peak is not None
+                or not heap.available() or torch.cuda.is_initialized()):
+            return heap.HeapCheck()
+        warm_up()
+        if self.cuda is None:
+            self.cuda = TorchCuda()
+        return Window(self.cuda, self.fixture_growth)
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, Any, None]:
         """When every test has run: run each test that left memory behind twice more, to tell
@@ -205,7 +244,7 @@ class Manager:
             self._conclude(entry, repeat)
             _log(entry.item, entry.reports)
 
-    def _judge(self, item: pytest.Item, window: Window, limits: Limits,
+    def _judge(self, item: pytest.Item, window: Window | HeapCheck, limits: Limits,
                reports: list[pytest.TestReport]) -> Pending | None:
         """Measure after teardown and put the verdict on the call report; a test that left
         memory behind is returned, to be repeated when every test has run (unless

@@ -1,5 +1,7 @@
 """Telling growth from memory retained once: a test that left memory behind is run twice more
-when every test has run, and judged on what the last run kept beyond the one before.
+when every test has run, and judged on what the last run kept beyond the one before. Both
+runs count tensor storages; when the first look at the test was the heap check, the first
+of them also gives the figures and the holders the verdict shows.
 
 A test that overwrites state on every call (``model.last = x``) or fills a cache on first use
 keeps memory after its first run but no more after the next: retained once. A test that
@@ -13,7 +15,7 @@ effects away from every other test.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import pytest
@@ -23,6 +25,7 @@ from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import Measurement, Repeat
 
 if TYPE_CHECKING:
+    from pytest_memsentry.heap import HeapCheck
     from pytest_memsentry.measure import CudaApi, Window
 
 
@@ -44,13 +47,15 @@ class Measuring(Protocol):
 
     cuda: CudaApi | None
     fixture_growth: dict[object, dict[int, int]]
-    window: Window | None
+    window: Window | HeapCheck | None
 
 
-def _run(entry: Pending, plugin: Measuring) -> tuple[Window, Measurement] | str:
-    """One more run of the test, measured; or why it could not be."""
-    from pytest_memsentry.measure import TorchCuda, Window
+def _run(entry: Pending, plugin: Measuring, *, holders: bool = False
+         ) -> tuple[Window, Measurement] | str:
+    """One more run of the test, its storages counted; or why it could not be."""
+    from pytest_memsentry.measure import TorchCuda, Window, warm_up
 
+    warm_up()
     window = Window(plugin.cuda or TorchCuda(), plugin.fixture_growth)
     try:
         window.start()
@@ -78,7 +83,7 @@ def _run(entry: Pending, plugin: Measuring) -> tuple[Window, Measurement] | str:
     for name in ("last_exc", "last_value", "last_traceback", "last_type"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    return window, window.finish(entry.item, entry.limits, judged=True, holders=False)
+    return window, window.finish(entry.item, entry.limits, judged=True, holders=holders)
 
 
 def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
@@ -92,10 +97,13 @@ def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
 
 
 def _twice(entry: Pending, plugin: Measuring) -> Repeat:
-    first = _run(entry, plugin)
+    heap = entry.measurement.heap
+    first = _run(entry, plugin, holders=heap)
     if isinstance(first, str):
         return Repeat({}, first)
     window, before = first
+    if heap:  # the heap check only suspected it: the verdict is on counted storages
+        entry.measurement = replace(before, notes=(*entry.measurement.notes, *before.notes))
     second = _run(entry, plugin)
     if isinstance(second, str):
         return Repeat({}, second)

@@ -92,13 +92,15 @@ class DeviceFigures:
 @dataclass(frozen=True)
 class Measurement:
     """Everything measured for one test: per-device figures, the largest leaked tensors (at
-    most :data:`TOP`; ``hidden`` more were not listed) and what was left out and why."""
+    most :data:`TOP`; ``hidden`` more were not listed) and what was left out and why.
+    ``heap``: the figures are the heap check's (:mod:`pytest_memsentry.heap`)."""
 
     devices: tuple[DeviceFigures, ...]
     tensors: tuple[LeakedTensor, ...] = ()
     hidden: int = 0
     hidden_bytes: int = 0
     notes: tuple[str, ...] = ()
+    heap: bool = False  # from the heap check: growth of all allocations, no tensors, no peak
 
     def figures(self, verdict: str) -> dict[str, Any]:
         """The figures carried on the test's report (``user_properties``), plain data so that

@@ -1,5 +1,9 @@
 """The pytest plugin (``pytest --memsentry``), run on real test files through ``pytester``.
 
+These runs count storages from each test's first run (``--memsentry-check=storages``, added
+to every inner run), which sees leaks of any size; the default heap check, which
+looks closer only at tests that grew the heap, is tested in tests/test_plugin_heap.py.
+
 Most runs are in-process (``runpytest``): the plugin enters its dispatch mode only around each
 inner test, and the measurement only counts storages made inside that window, so the outer
 process does not disturb it. Runs that need a process without torch, or a GPU, are
@@ -9,6 +13,7 @@ subprocesses. CUDA logic is also exercised on CPU with a fake of the plugin's CU
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -37,6 +42,17 @@ pytest_plugins = ["pytester"]
 warm_up()
 
 CASES = Path(__file__).parent / "plugin_cases"
+
+
+@pytest.fixture(autouse=True)
+def count_storages(request: pytest.FixtureRequest) -> None:
+    """Every inner run of these tests counts storages (pytester clears PYTEST_ADDOPTS)."""
+    if "pytester" not in request.fixturenames:
+        return
+    pytester = request.getfixturevalue("pytester")
+    for name in ("runpytest", "runpytest_subprocess"):
+        setattr(pytester, name, functools.partial(getattr(pytester, name),
+                                                  "--memsentry-check=storages"))
 MiB = 1024 * 1024
 
 

@@ -1,0 +1,91 @@
+"""The plugin's default first look at a test, the heap check: a test that grew glibc's heap by
+more than 64 KiB is run again with its storages counted, and judged on those runs; smaller
+leaks are left to ``--memsentry-check=storages``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE
+from pytest_memsentry.measure import warm_up
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.skipif(MALLINFO2_UNAVAILABLE is not None,
+                                reason=MALLINFO2_UNAVAILABLE or "")
+
+warm_up()  # the repeats count storages: import torch._dynamo once, outside the inner runs
+
+SUITE = """
+    import pytest
+    import torch
+
+    CACHE = []
+    SMALL = []
+
+
+    def test_big_leak():
+        CACHE.append(torch.ones(512, 1024))      # 2 MiB a run, kept by a global
+
+
+    def test_small_leak():
+        SMALL.append(torch.ones(256))            # 1 KiB a run
+
+
+    def test_large_temporary():
+        assert torch.ones(1024, 1024).sum() > 0  # 4 MiB at once, freed at once
+
+
+    class TestOverwrite:
+        def test_cache_filled_once(self):
+            type(self).table = torch.ones(256, 1024)   # 1 MiB, replaced on every run
+
+
+    def test_fails_on_its_own():
+        assert torch.ones(2).sum() == 3
+"""
+
+
+def statuses(result: pytest.RunResult) -> dict[str, str]:
+    found = {}
+    for line in result.stdout.lines:
+        match = re.match(r"\S+::(\S+) ([A-Z][A-Z ]+?)\s+\[", line)
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def test_the_heap_check_finds_a_growing_leak_with_its_holder(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    result = pytester.runpytest("--memsentry", "-v")
+    assert statuses(result) == {
+        "test_big_leak": "LEAKED", "test_small_leak": "PASSED",
+        "test_large_temporary": "PASSED", "test_cache_filled_once": "PASSED",
+        "test_fails_on_its_own": "FAILED",
+    }
+    text = result.stdout.str()
+    assert "memsentry: 2.0 MiB leaked on cpu (limit 0 B) by 1 tensor" in text
+    assert "it grows with every run" in text
+    assert re.search(r"2\.0 MiB +float32\[512, 1024\] +cpu +CACHE\[\d\] \(global in "
+                     r"test_suite\.py\) +test_suite\.py:9", text)
+    assert "the process's heap grew by" in text
+    assert "assert tensor(2.) == 3" in text  # the test's own failure, untouched
+
+
+def test_counting_storages_sees_the_small_leak_too(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    result = pytester.runpytest("--memsentry", "--memsentry-check=storages", "-v")
+    found = statuses(result)
+    assert found["test_big_leak"] == found["test_small_leak"] == "LEAKED"
+    assert found["test_large_temporary"] == "PASSED"
+
+
+def test_the_ini_option_and_a_bad_value(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_suite=SUITE)
+    pytester.makeini("[pytest]\nmemsentry = true\nmemsentry_check = storages\n")
+    result = pytester.runpytest("-v")
+    assert statuses(result)["test_small_leak"] == "LEAKED"
+    result = pytester.runpytest("--memsentry-check=fast")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--memsentry-check='fast': use 'heap'*or 'storages'*"])
