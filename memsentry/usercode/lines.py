@@ -147,8 +147,14 @@ def call_line(path: str | None, method: str, argument: str | None = None) -> int
 
 def short_path(path: str) -> str:
     """``path`` relative to the working directory when inside it, else as it is."""
+    return _relative(path, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)
+def _relative(path: str, cwd: str) -> str:
+    """Cached: the plugin's storage counter asks for the line of every new storage."""
     try:
-        relative = os.path.relpath(path)
+        relative = os.path.relpath(path, cwd)
     except ValueError:
         return path
     return path if relative.startswith("..") else relative
