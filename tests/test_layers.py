@@ -103,6 +103,26 @@ def test_param_bytes_sum_of_parameters_shared_counted_once() -> None:
     assert report.layer("Sequential").param_bytes == sum(unique.values())
 
 
+@pytest.mark.parametrize("hook_model", [True, False], ids=["model", "global hooks"])
+def test_a_lazy_module_is_tracked_and_changes_nothing(hook_model: bool) -> None:
+    # Its parameters are uninitialized until its first call, and raise ValueError when read.
+    def run(tracked: bool) -> tuple[list[float], memsentry.Report | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 1))
+        tracker = memsentry.track(model if hook_model else None) if tracked else None
+        if tracker is not None:
+            tracker.start()
+        losses = [model(torch.randn(4, 5)).pow(2).mean().item() for _ in range(3)]
+        return losses, tracker.stop() if tracker is not None else None
+
+    losses, report = run(True)
+    assert losses == run(False)[0]
+    assert report is not None
+    assert report.layer("0").calls == 3
+    if hook_model:  # its hooks run after LazyLinear's own pre-hook made the parameters
+        assert report.layer("0").param_bytes == (5 * 8 + 8) * 4
+
+
 def test_module_called_twice_per_forward_counts_two_calls_per_iteration() -> None:
     torch.manual_seed(0)
     model = TwiceShared()

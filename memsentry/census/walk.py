@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memsentry.measure.storage import storage_of
 from memsentry.model import HeldTensor, HolderKind, Scope, ScopeKind, Step, StepKind
 from memsentry.usercode.frames import MACHINERY, is_user_class, root_package, source_file
 
@@ -102,12 +103,10 @@ def atomic(obj: Any) -> bool:
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
-    """((device, storage pointer), storage bytes), or ``None`` for storage-less tensors."""
-    try:
-        storage = tensor.untyped_storage()
-        return (str(tensor.device), storage.data_ptr()), storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
+    """((device, storage pointer), storage bytes), or ``None`` for storage-less tensors (a
+    DTensor: its local shard's; a storage FSDP resized to 0 bytes: ((device, 0), 0))."""
+    found = storage_of(tensor)
+    return None if found is None else ((str(tensor.device), found[0]), found[1])
 
 
 #: A child as the walk meets it: (step kind, the raw step: an attribute's name, a dict key, an

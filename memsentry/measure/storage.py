@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from memsentry.measure.cpu import physical_memory
 from memsentry.model import Measured, PeakMode
@@ -21,15 +20,62 @@ from memsentry.usercode.frames import user_site
 from memsentry.usercode.location import Location
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``tensor``'s bytes in this process: a DTensor's local
+    shard (the DTensor's own storage is a placeholder that raises when read), else itself."""
+    while type(tensor) is not torch.Tensor:
+        local = getattr(tensor, "_local_tensor", None)
+        if not isinstance(local, torch.Tensor) or local is tensor:
+            break
+        tensor = local
+    return tensor
+
+
+def storage_of(tensor: torch.Tensor) -> tuple[int, int, torch.UntypedStorage] | None:
+    """(data pointer, bytes, storage) of the storage behind ``tensor`` in this process (a
+    DTensor's local shard), or ``None`` where there is none to read: sparse and nested
+    layouts, wrapper subclasses. A storage freed by resizing it to 0 bytes (FSDP's unsharded
+    parameters between uses) reads as pointer 0, 0 bytes. Never raises for a tensor (a
+    subclass's ``__torch_function__`` may raise anything: a lazy module's uninitialized
+    parameter raises ``ValueError``)."""
+    try:
+        if type(tensor) is not torch.Tensor:
+            tensor = local_tensor(tensor)
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes(), storage
+    except Exception:
+        return None
+
+
 def storage_pointer(tensor: torch.Tensor) -> int:
-    """The data pointer of the tensor's storage (0 for storage-less layouts)."""
+    """The data pointer of the tensor's storage (0 where there is none to read). Read for
+    every input of every op in the dispatch mode: plain tensors and parameters take the
+    short way (a DTensor's placeholder storage raises, and is read through its shard)."""
     try:
         return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
+    except Exception:
+        found = storage_of(tensor)
+        return 0 if found is None else found[0]
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results: a tensor, or lists, tuples and dicts of
+    them (what ATen ops take and return); a third of the time of a general pytree flatten."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    if isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, list | tuple | dict):
+                found += tensors_of(item)
+    elif isinstance(value, dict):
+        found += tensors_of(list(value.values()))
+    return found
 
 
 class _CountingMode(TorchDispatchMode):
@@ -74,14 +120,11 @@ class StorageCounter(_CountingMode):
         kwargs = kwargs or {}
         # Views and in-place results share an input's storage: not new memory, and when the
         # input predates tracking it belongs to the baseline.
-        inputs = {storage_pointer(t) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {storage_pointer(t) for t in tensors_of(args) + tensors_of(kwargs)}
         if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
             inputs = set()
         out = func(*args, **kwargs)
-        for leaf in tree_leaves(out):
-            if not isinstance(leaf, torch.Tensor):
-                continue
+        for leaf in tensors_of(out):
             if leaf.device.type == "cpu":
                 self._see(leaf, inputs)
             elif self.device_live is not None:
@@ -90,23 +133,19 @@ class StorageCounter(_CountingMode):
 
     @staticmethod
     def _new_storage(tensor: torch.Tensor, inputs: set[int],
-                     known: dict[int, Any]) -> tuple[int, Any] | None:
-        """(pointer, storage) when ``tensor``'s storage is new: not an input's, not known."""
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return None
-        key = storage.data_ptr()
-        if key == 0 or key in known or key in inputs:
-            return None
-        return key, storage
+                     known: dict[int, Any]) -> tuple[int, int, Any] | None:
+        """(pointer, bytes, storage) when ``tensor``'s storage is new: not an input's, not
+        known."""
+        found = storage_of(tensor)
+        if found is None or found[0] == 0 or found[0] in known or found[0] in inputs:
+            return None  # sparse and other storage-less layouts, freed or known storages
+        return found
 
     def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         new = self._new_storage(tensor, inputs, self.live)
         if new is None:
             return
-        key, storage = new
-        size = storage.nbytes()
+        key, size, storage = new
         self.live[key] = size
         if self.sites is not None:
             self.sites[key] = user_site()
@@ -120,8 +159,8 @@ class StorageCounter(_CountingMode):
         new = self._new_storage(tensor, inputs, self.device_live)
         if new is None:
             return
-        key, storage = new
-        self.device_live[key] = (str(tensor.device), storage.nbytes(), user_site())
+        key, size, storage = new
+        self.device_live[key] = (str(tensor.device), size, user_site())
         weakref.finalize(storage, self.device_live.pop, key, None)
 
     def _free(self, key: int) -> None:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
+from memsentry.measure.storage import storage_of
 from memsentry.model import LayerStats
 
 MAX_LAYERS = 5000
@@ -89,7 +91,8 @@ def storage_bytes(
     seen: dict[int, int] | None = None,
     skip: set[int] | frozenset[int] = frozenset(),
 ) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once; a
+    DTensor counts its local shard; sparse, nested and other storage-less tensors count 0).
 
     ``seen`` (storage pointer -> bytes) is updated when given, so callers can de-duplicate
     across several calls; storages whose pointer is in ``skip`` are not counted.
@@ -97,21 +100,21 @@ def storage_bytes(
     seen = {} if seen is None else seen
     total = 0
     for tensor in tensors:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, nested or storage-less tensors
+        found = storage_of(tensor)
+        if found is None or found[0] in seen or found[0] in skip:
             continue
-        key = storage.data_ptr()
-        if key in seen or key in skip:
-            continue
-        size = storage.nbytes()
+        key, size, _storage = found
         seen[key] = size
         total += size
     return total
 
 
-def _param_bytes(module: nn.Module) -> int:
-    return storage_bytes(list(module.parameters()))
+def _param_bytes(module: nn.Module) -> int | None:
+    """Bytes of the module's parameters, ``None`` while a lazy module's are uninitialized."""
+    parameters: list[torch.Tensor] = list(module.parameters())
+    if any(is_lazy(p) for p in parameters):
+        return None
+    return storage_bytes(parameters)
 
 
 #: Where torch.compile's ``OptimizedModule`` keeps the module it compiled.
@@ -126,6 +129,14 @@ def compiled_original(module: nn.Module) -> nn.Module | None:
     return original if isinstance(original, nn.Module) else None
 
 
+def fully_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is a unit of FSDP2 (``fully_shard``), whose hooks all-gather its
+    parameters before its forward and free them after (by class: torch's import path for
+    ``FSDPModule`` moved between versions, and memsentry does not import it)."""
+    return any(klass.__name__ == "FSDPModule" and klass.__module__.startswith("torch.")
+               for klass in type(module).__mro__)
+
+
 class LayerRegistry:
     """Names modules and owns their records, in first-call order.
 
@@ -137,7 +148,8 @@ class LayerRegistry:
     """
 
     def __init__(self) -> None:
-        self._names: weakref.WeakKeyDictionary[nn.Module, tuple[str, int]] = (
+        # (name, depth, parameter bytes or None: read at the first call)
+        self._names: weakref.WeakKeyDictionary[nn.Module, tuple[str, int, int | None]] = (
             weakref.WeakKeyDictionary()
         )
         self._by_module: weakref.WeakKeyDictionary[nn.Module, LayerRecord] = (
@@ -146,6 +158,7 @@ class LayerRegistry:
         self.records: dict[str, LayerRecord] = {}
         self._taken: set[str] = set()
         self.static_storages: set[int] = set()
+        self.sharded: set[str] = set()  # the layers that are FSDP2 units
 
     def _unique(self, name: str) -> str:
         if name not in self._taken:
@@ -158,7 +171,10 @@ class LayerRegistry:
         return f"{name}#{k}"
 
     def name_tree(self, root: nn.Module) -> None:
-        """Give ``root`` and its submodules names (those already named keep theirs)."""
+        """Give ``root`` and its submodules names (those already named keep theirs), and read
+        their parameters' bytes now, before their own hooks run (at start, or from a global
+        hook at the root's first call): FSDP2's hook swaps a module's sharded parameters
+        (DTensors, counted by their local shard) for unsharded ones for its forward."""
         compiled = compiled_original(root)
         for qualified, module in root.named_modules():
             if module in self._names:
@@ -174,7 +190,8 @@ class LayerRegistry:
                 how = "traced" if isinstance(root, torch.jit.TracedModule) else "scripted"
                 qualified = f"{getattr(root, 'original_name', 'ScriptModule')} ({how})"
             depth = qualified.count(".") + 1 if qualified and module is not root else 0
-            self._names[module] = (self._unique(qualified or type(root).__name__), depth)
+            self._names[module] = (self._unique(qualified or type(root).__name__), depth,
+                                   _param_bytes(module))
 
     def record_for(self, module: nn.Module, parent: LayerRecord | None) -> LayerRecord:
         """The record of ``module``, created (and named, if needed) on its first call."""
@@ -187,9 +204,10 @@ class LayerRegistry:
                 self.name_tree(module)
                 named = self._names[module]
             else:
-                named = (self._unique(f"{parent.name}.<{type(module).__name__}>"), parent.depth + 1)
+                named = (self._unique(f"{parent.name}.<{type(module).__name__}>"),
+                         parent.depth + 1, None)
                 self._names[module] = named
-        name, depth = named
+        name, depth, params = named
         if len(self.records) >= MAX_LAYERS:
             record = self.records.get(OVERFLOW_LAYER)
             if record is None:
@@ -197,13 +215,15 @@ class LayerRegistry:
                 self.records[OVERFLOW_LAYER] = record
             self._by_module[module] = record
             return record
-        record = LayerRecord(name, type(module).__name__, depth, _param_bytes(module),
-                             index=len(self.records))
+        if params is None:
+            params = _param_bytes(module) or 0
+        record = LayerRecord(name, type(module).__name__, depth, params, index=len(self.records))
+        if fully_sharded(module):
+            self.sharded.add(name)
         for tensor in (*module.parameters(), *module.buffers()):
-            try:
-                self.static_storages.add(tensor.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):
-                continue
+            found = storage_of(tensor)
+            if found is not None and found[0]:  # 0: freed (resized to 0 bytes) or none
+                self.static_storages.add(found[0])
         self.records[name] = record
         self._by_module[module] = record
         return record
