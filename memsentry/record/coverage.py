@@ -59,7 +59,7 @@ class Coverage:
 
     def measures(self, index: int) -> bool:
         """Whether the call of layer ``index`` is measured in this iteration."""
-        if self.size >= self.layers or index >= self.layers:
+        if self.full or index >= self.layers:
             return True  # a layer first seen in this iteration is measured
         return (index - self.offset) % self.layers < self.size
 
