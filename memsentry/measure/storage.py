@@ -120,7 +120,10 @@ class StorageCounter(_CountingMode):
         kwargs = kwargs or {}
         # Views and in-place results share an input's storage: not new memory, and when the
         # input predates tracking it belongs to the baseline.
-        inputs = {storage_pointer(t) for t in tensors_of(args) + tensors_of(kwargs)}
+        given = tensors_of(args)
+        if kwargs:
+            given += tensors_of(kwargs)
+        inputs = {storage_pointer(t) for t in given}
         if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
             inputs = set()
         out = func(*args, **kwargs)

@@ -27,6 +27,10 @@ _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
 
 _SOURCE_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
 _MODULE_KINDS: dict[tuple[str, int], bool] = {}
+#: Code object -> whether its frames are machinery. Code objects of exec'd cells come and go:
+#: bounded, then the answer is worked out again each time.
+_MACHINERY_CODE: dict[types.CodeType, bool] = {}
+_MACHINERY_CODE_LIMIT = 65536
 
 
 def root_package(name: str | None) -> str:
@@ -39,11 +43,17 @@ def is_stdlib(path: str | None) -> bool:
 
 
 def is_machinery_frame(frame: types.FrameType) -> bool:
-    """Frames of torch, memsentry, pytest, the standard library and notebook shells."""
-    if root_package(frame.f_globals.get("__name__")) in MACHINERY:
-        return True
-    filename = frame.f_code.co_filename
-    return filename.startswith("<frozen") or is_stdlib(filename)
+    """Frames of torch, memsentry, pytest, the standard library and notebook shells
+    (remembered per code object: the storage counter asks for every new storage)."""
+    code = frame.f_code
+    known = _MACHINERY_CODE.get(code)
+    if known is None:
+        filename = code.co_filename
+        known = (root_package(frame.f_globals.get("__name__")) in MACHINERY
+                 or filename.startswith("<frozen") or is_stdlib(filename))
+        if len(_MACHINERY_CODE) < _MACHINERY_CODE_LIMIT:
+            _MACHINERY_CODE[code] = known
+    return known
 
 
 def is_user_class(cls: type) -> bool:
