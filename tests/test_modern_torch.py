@@ -4,6 +4,7 @@ and the report says what it could not measure."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -188,3 +189,38 @@ def test_torchscript_modules_are_tracked_as_a_whole(how: str, with_model: bool) 
     assert report is not None and len(report.iterations) >= 4
     assert [layer.name for layer in report.layers] == [f"Sequential ({how})"]
     assert any("ran as TorchScript" in note for note in report.notes)
+
+
+def test_tracing_under_exact_counting_gives_the_plain_trace() -> None:
+    """The TorchScript tracer does not see ops a dispatch mode ran: memsentry's counting
+    mode steps aside while torch.jit.trace runs, and counts the traced module's calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        plain = torch.jit.trace(model, x)
+        with memsentry.track(exact=True, on_leak="ignore") as tracker:
+            traced = torch.jit.trace(model, x)
+            outputs = [traced(x) for _ in range(3)]
+    def graph(module: torch.jit.ScriptModule) -> str:  # a second trace's classes are renamed
+        return re.sub(r"___torch_mangle_\d+\.", "", str(module.inlined_graph))
+
+    assert graph(traced) == graph(plain)
+    assert all(torch.equal(out, plain(x)) for out in outputs)
+    assert tracker.report().peak_mode == "exact"
+    # The tracer's entry points are torch's own again once counting ended.
+    from torch.jit import _trace
+    assert not hasattr(_trace._trace_impl, "__memsentry_original__")
+
+
+def test_a_number_torchscript_hands_over_for_a_tensor_is_given_back_as_one() -> None:
+    """TorchScript's executor passes some numbers it keeps as tensors to a Python mode as
+    Python numbers; the op refuses them before running. The counter gives them back."""
+    from memsentry.measure.storage import StorageCounter
+
+    with StorageCounter() as counter:
+        assert counter.dispatch(torch.ops.aten.equal.default, (84, 84), {}) is True
+        assert counter.dispatch(torch.ops.aten.equal.default, (84, 85), {}) is False
+        with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor'"):
+            torch.ops.aten.equal.default(84, 84)  # what the op says without the counter

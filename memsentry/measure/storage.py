@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import memsentry.measure.jitaside as jitaside
 from memsentry.measure.cpu import physical_memory
 from memsentry.model import Measured, PeakMode
 from memsentry.usercode.frames import user_site
@@ -78,6 +79,26 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     return found
 
 
+_WRAPPED_NUMBER = "Expected a value of type 'Tensor' for argument"
+
+
+def _numbers_as_tensors(func: Any, args: Any, kwargs: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The op's arguments with each Python number its schema declares a Tensor made a
+    0-dimensional tensor."""
+    def fixed(value: Any, kind: Any) -> Any:
+        if isinstance(kind, torch.TensorType) and isinstance(value, bool | int | float):
+            return torch.tensor(value)
+        return value
+
+    schema = func._schema.arguments
+    new_args = tuple(fixed(value, schema[i].type) if i < len(schema) else value
+                     for i, value in enumerate(args))
+    kinds = {argument.name: argument.type for argument in schema}
+    new_kwargs = {name: fixed(value, kinds.get(name)) for name, value in kwargs.items()}
+    return new_args, new_kwargs
+
+
 class _CountingMode(TorchDispatchMode):
     """A dispatch mode that steps aside while torch.compile traces and compiles (Dynamo
     refuses to compile under other dispatch modes): it sees the eager ops around compiled
@@ -86,6 +107,17 @@ class _CountingMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def __enter__(self) -> Any:
+        entered = super().__enter__()
+        jitaside.enter(_CountingMode)  # and steps aside for torch.jit.trace
+        return entered
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            jitaside.leave()
 
 
 class StorageCounter(_CountingMode):
@@ -126,7 +158,16 @@ class StorageCounter(_CountingMode):
         inputs = {storage_pointer(t) for t in given}
         if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
             inputs = set()
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as error:
+            # TorchScript passes a number it keeps as a tensor (a traced shape check's
+            # ``aten::equal``) to a Python mode as a Python number, which the op then refuses
+            # before running. Given back as the 0-dimensional tensor it was, the op runs.
+            if _WRAPPED_NUMBER not in str(error):
+                raise
+            args, kwargs = _numbers_as_tensors(func, args, kwargs)
+            out = func(*args, **kwargs)
         for leaf in tensors_of(out):
             if leaf.device.type == "cpu":
                 self._see(leaf, inputs)
@@ -210,6 +251,10 @@ class StorageBackend:
 
     def allocated(self) -> int:
         return self._counter.current
+
+    def counts(self, key: int) -> bool:
+        """Whether the storage at pointer ``key`` is in the count (made while tracking)."""
+        return key in self._counter.live
 
     def reserved(self) -> int | None:
         return None

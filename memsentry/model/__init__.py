@@ -5,6 +5,7 @@ read them, the reporters format them. Every value round-trips through a plain di
 (:mod:`memsentry.model.codec`).
 """
 
+from memsentry.model.breakdown import CATEGORIES, Breakdown, Breakdowns
 from memsentry.model.findings import Finding, Location, Subject
 from memsentry.model.holders import (
     Census,
@@ -22,6 +23,7 @@ from memsentry.model.kinds import (
     HolderKind,
     Measured,
     PeakMode,
+    Phase,
     ScopeKind,
     Severity,
     StepKind,
@@ -31,8 +33,11 @@ from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
 __all__ = [
+    "CATEGORIES",
     "SCHEMA_VERSION",
     "Boundary",
+    "Breakdown",
+    "Breakdowns",
     "Census",
     "Finding",
     "GarbageStats",
@@ -45,6 +50,7 @@ __all__ = [
     "Location",
     "Measured",
     "PeakMode",
+    "Phase",
     "ReportData",
     "Scope",
     "ScopeKind",

@@ -31,6 +31,16 @@ class Boundary(_Text):
     EXIT = "exit"
 
 
+class Phase(_Text):
+    """Where a training loop is at a moment: inside a layer's forward or backward, in an
+    optimizer step, or between those (loss, data, the loop's own code)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "optimizer step"
+    BETWEEN = "between layers"
+
+
 class PeakMode(_Text):
     """How peaks were measured: at sample points (a lower bound) or counting every allocation."""
 
@@ -91,5 +101,5 @@ class SubjectKind(_Text):
     LOOP = "loop"
 
 
-__all__ = ["Boundary", "HolderKind", "Measured", "PeakMode", "ScopeKind", "Severity", "StepKind",
-           "SubjectKind"]
+__all__ = ["Boundary", "HolderKind", "Measured", "PeakMode", "Phase", "ScopeKind", "Severity",
+           "StepKind", "SubjectKind"]

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from memsentry.model.breakdown import Breakdowns
 from memsentry.model.codec import build, to_plain
 from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
@@ -58,6 +59,12 @@ class ReportData:
     censuses: tuple[Census, ...] = ()
     unused_graphs: tuple[UnusedGraph, ...] = ()
 
+    @property
+    def breakdown(self) -> Breakdowns:
+        """What memory held at each iteration's peak, by category (parameters, gradients,
+        optimizer state, activations, other), and at the highest of those peaks."""
+        return Breakdowns.of([it.parts for it in self.iterations])
+
     def layer(self, name: str) -> LayerStats:
         """The :class:`LayerStats` called ``name``; ``KeyError`` lists the names if absent."""
         for stats in self.layers:
@@ -71,6 +78,7 @@ class ReportData:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (plain ints, floats, strings, lists) with a ``schema`` version."""
         data: dict[str, Any] = to_plain(self)
+        data["breakdown"] = to_plain(self.breakdown)  # derived: read back from the iterations
         data["schema"] = SCHEMA_VERSION
         return data
 

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from memsentry.model.breakdown import Breakdown
 from memsentry.model.kinds import Boundary
 
 
@@ -53,7 +54,8 @@ class IterationStats:
     for the end of tracking, a partial iteration). ``data_seconds`` is the time from the
     iteration's start to its first module call (waiting for data, moving it, zeroing
     gradients); ``batch`` is the first dimension of the first tensor given to the outermost
-    module (``None`` when no tensor was given).
+    module (``None`` when no tensor was given). ``parts`` is what memory held at the
+    iteration's peak, by category (``None`` in reports written before breakdowns existed).
     """
 
     index: int
@@ -65,6 +67,7 @@ class IterationStats:
     forward_calls: int = 0
     data_seconds: float | None = None
     batch: int | None = None
+    parts: Breakdown | None = None
 
 
 def complete(iterations: Sequence[IterationStats], *, skip: int = 0) -> list[IterationStats]:

@@ -91,6 +91,7 @@ class BackwardTimer:
             if call.state != BackwardCall.RUNNING or not self.active:
                 return
             started = time.perf_counter()
+            self._sampler.parts.add_gradients(call.record.own_params)
             self._finish(call, self._sampler.sample())
             del self.running[id(call)]
             self._coverage.count(started)
@@ -105,7 +106,10 @@ class BackwardTimer:
         """End of a backward pass: close the calls whose inputs needed no gradient."""
         if not self.active:
             return
+        started = time.perf_counter()
+        self._sampler.parts.read_gradients()
         allocated = self._sampler.sample()
+        self._coverage.count(started)
         for call in self.running.values():
             self._finish(call, allocated)
         self.running.clear()

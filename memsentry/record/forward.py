@@ -25,6 +25,7 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from memsentry.measure import StorageBackend
+from memsentry.measure.storage import storage_of
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
 from memsentry.record.coverage import Coverage
@@ -34,6 +35,7 @@ from memsentry.record.layers import (
     fully_sharded,
     storage_bytes,
 )
+from memsentry.record.parts import LiveSaved, Saved
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.timeline import IterationClock
@@ -47,9 +49,12 @@ class SavedTensorVersionError(RuntimeError):
 UNCHECKED = -1
 
 
-def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+def unpack(packed: Saved | tuple[torch.Tensor, int]) -> torch.Tensor:
     """Return the saved tensor, repeating autograd's in-place check (skipped under hooks)."""
-    tensor, version = packed
+    if isinstance(packed, Saved):
+        tensor, version = packed.tensor, packed.version
+    else:  # packed inside a compiled region
+        tensor, version = packed
     if version != UNCHECKED and tensor._version != version:
         raise SavedTensorVersionError(
             "one of the variables needed for gradient computation has been modified by an "
@@ -81,6 +86,21 @@ def of_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
+def _count_saved(call: ForwardCall, tensor: torch.Tensor, packed: Saved, live: LiveSaved,
+                 static: set[int]) -> None:
+    """A tensor saved inside ``call``: its storage is the call's and alive until autograd
+    frees ``packed``. Parameters and buffers saved by an op are not new memory."""
+    found = None if of_parameter(tensor) else storage_of(tensor)
+    if found is None or not found[0] or found[0] in static:
+        return
+    key, size, _storage = found
+    live.add(key, size)
+    packed.live, packed.key = live, key
+    if key not in call.saved:
+        call.saved[key] = size
+        call.saved_bytes += size
+
+
 def _fold_into(parent: ForwardCall, call: ForwardCall) -> None:
     """A call ended inside ``parent``: its peak and what it saved are the parent's too."""
     if call.peak > parent.peak:
@@ -103,10 +123,11 @@ class ForwardRecorder:
 
     def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
                  stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
-                 saved: bool, coverage: Coverage,
+                 saved: bool, coverage: Coverage, live: LiveSaved,
                  start_backend: Callable[[nn.Module, Any], None],
                  iteration_start: Callable[[nn.Module], None]) -> None:
         self.active = False
+        self._live = live
         self.coverage = coverage
         self.anchors: set[int] = set()  # layers called outermost: always hooked
         self._module_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
@@ -227,6 +248,8 @@ class ForwardRecorder:
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced
             return
+        if torch._C._get_tracing_state() is not None:  # torch.jit.trace records every op
+            return
         if not self.active:
             return
         if self._sampler.backend is None:
@@ -241,6 +264,7 @@ class ForwardRecorder:
         measured = coverage.measures(record.index)
         if not measured and parent is not None:  # counted only; nothing goes on the stack
             record.calls += 1
+            self._clock.calls += 1
             return
         started = time.perf_counter()
         if compiled_original(module) is not None:
@@ -251,7 +275,10 @@ class ForwardRecorder:
             self.anchors.add(record.index)
         else:
             parent.is_leaf = False
-        pushed = measured and self._saved and self._push_saved_hooks(record.name)
+        # Saved-tensor hooks around every outermost call, measured or not: the activations
+        # alive at each moment are counted whichever layers are measured.
+        pushed = ((measured or parent is None) and self._saved
+                  and self._push_saved_hooks(record.name))
         allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)
         call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed)
@@ -262,7 +289,7 @@ class ForwardRecorder:
             coverage.count(started)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return
         stack = self.stack
         if not self.active or not stack:
@@ -316,20 +343,17 @@ class ForwardRecorder:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
 
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if torch.compiler.is_compiling():  # traced into a compiled graph: keep it as it is
-            return tensor, UNCHECKED
-        if self.active and self._sampler.backend is not None:
-            started = time.perf_counter()
-            if self._sampler.in_ops:
-                self._sampler.sample()
-            # Parameters and buffers saved by an op are not new memory.
-            if self.stack and not of_parameter(tensor):
-                call = self.stack[-1]
-                call.saved_bytes += storage_bytes(
-                    [tensor], call.saved, skip=self._registry.static_storages
-                )
-            self.coverage.count(started)
+    def pack(self, tensor: torch.Tensor) -> Saved | tuple[torch.Tensor, int]:
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+            return tensor, UNCHECKED  # traced into a compiled graph: kept as it is
         # A detached alias: saving the tensor itself would make a saved output reference its
         # own grad_fn (a cycle only the garbage collector frees).
-        return tensor.detach(), tensor._version
+        packed = Saved(tensor.detach(), tensor._version)
+        if self.active and self._sampler.backend is not None and self.stack:
+            started = time.perf_counter()
+            call = self.stack[-1]
+            _count_saved(call, tensor, packed, self._live, self._registry.static_storages)
+            if call.measured and self._sampler.in_ops:
+                self._sampler.sample()
+            self.coverage.count(started)
+        return packed

@@ -6,7 +6,7 @@ Holds no tensor and no module strongly: modules are looked up through a ``WeakKe
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ class LayerRecord:
     is_leaf: bool = True
     index: int = 0  # the layer's place in first-call order
     measured: int = 0  # forward calls measured (some are only counted, see record.coverage)
+    # The module's own parameters (not its children's), weakly: their gradients are read
+    # when its backward ends.
+    own_params: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
 
     def add_forward(self, delta: int | None, peak: int | None, output: int,
                     saved: int | None) -> None:
@@ -217,7 +220,8 @@ class LayerRegistry:
             return record
         if params is None:
             params = _param_bytes(module) or 0
-        record = LayerRecord(name, type(module).__name__, depth, params, index=len(self.records))
+        record = LayerRecord(name, type(module).__name__, depth, params, index=len(self.records),
+                             own_params=[weakref.ref(p) for p in module.parameters(recurse=False)])
         if fully_sharded(module):
             self.sharded.add(name)
         for tensor in (*module.parameters(), *module.buffers()):

@@ -35,8 +35,9 @@ from memsentry.record.coverage import Coverage, coverage_notes
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
+from memsentry.record.parts import Parts
 from memsentry.record.roots import RootCalls
-from memsentry.record.sampler import Sampler
+from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import CensusSchedule, census_due
 from memsentry.record.signals import Action, Signals
 from memsentry.record.timeline import IterationClock, Timeline
@@ -66,7 +67,8 @@ class Recorder:
         self._clock = IterationClock()
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
-        self._sampler = Sampler(self._stack, running)
+        self._parts = Parts(self._part_roots)
+        self._sampler = Sampler(self._stack, running, self._parts)
         self._coverage = Coverage(options.overhead)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
@@ -76,7 +78,7 @@ class Recorder:
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
-            saved=options.saved_tensors, coverage=self._coverage,
+            saved=options.saved_tensors, coverage=self._coverage, live=self._parts.live,
             start_backend=self._start_lazily,
             iteration_start=self._outermost_call,
         )
@@ -161,8 +163,17 @@ class Recorder:
 
     def _start_backend(self, device: torch.device) -> None:
         self.device = device
+        self._parts.read_all()
         self._sampler.start(make_backend(device, exact=self.options.exact))
+        self._sampler.at_peak = self._sampler.moment()
         self._overall_peak = self._sampler.baseline
+
+    def _part_roots(self) -> list[nn.Module]:
+        """The tracked model, or without one the outermost modules called so far."""
+        model = self._model_ref() if self._model_ref is not None else None
+        modules = {0: model} if model is not None else self._registry.by_index()
+        return [modules[i] for i in ({0} if model is not None else self._forward.anchors)
+                if i in modules]
 
     def _start_lazily(self, module: nn.Module, args: Any) -> None:
         """Tracking without a device on a CUDA machine: pick the device at the first module
@@ -179,7 +190,8 @@ class Recorder:
             return
         if self._primary_optimizer is None or self._primary_optimizer() is None:
             self._primary_optimizer = weakref.ref(optimizer)
-        elif self._primary_optimizer() is not optimizer:
+        self._parts.add_optimizer(optimizer)
+        if self._primary_optimizer() is not optimizer:
             return  # a second optimizer (GAN, multi-task) steps inside the same iteration
         self._signal(Boundary.OPTIMIZER)
 
@@ -193,6 +205,10 @@ class Recorder:
         last boundary is taken, its time moved out of the iteration's data wait."""
         if self._signals.repeats_first_call(module):
             self._signal(Boundary.FORWARD)
+        if not self._clock.calls:  # the iteration's first call: after zero_grad()
+            started = time.perf_counter()
+            self._parts.read_gradients()
+            self._coverage.count(started)
         if self._censuses.pending is not None:
             self._clock.started += self._censuses.take_pending(**self._census_roots())
 
@@ -215,9 +231,11 @@ class Recorder:
         sampler = self._sampler
         assert sampler.backend is not None
         now = time.perf_counter()
-        allocated = sampler.sample()
+        self._parts.read_all()  # the step may have made optimizer state
+        self._coverage.count(now)
+        allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
-                                    sampler.peak, now)
+                                    sampler.peak, now, parts=breakdown(sampler))
         parts: list[IterationStats] = []
         if merge:
             for item in reversed(self._timeline.items):
@@ -246,6 +264,7 @@ class Recorder:
         self._forward.follow_window()
         self._clock.advance(now)
         sampler.peak = allocated
+        sampler.at_peak = sampler.moment()
 
     def _census_roots(self) -> dict[str, Any]:
         """What a census needs from the recorder: the model, memsentry's hooks, itself."""
@@ -271,30 +290,16 @@ class Recorder:
             reserved, counters = backend.reserved(), read_counters(backend)
         else:  # read at the end of recording
             allocated, reserved, counters = self._final
-        notes = [*backend.notes, *self._censuses.errors]
-        signal_note = self._signals.note()
-        if signal_note:
-            notes.append(signal_note)
-        notes += coverage_notes(self._coverage, self._registry)
-        notes += self._censuses.budget_notes()
-        notes += self._forward.compiled_notes()
+        notes = (*backend.notes, *self._censuses.errors, *filter(None, [self._signals.note()]),
+                 *coverage_notes(self._coverage, self._registry),
+                 *self._censuses.budget_notes(), *self._forward.compiled_notes())
         return ReportData(
-            device=str(backend.device),
-            backend=backend.name,
-            baseline=self._sampler.baseline,
-            layers=self._registry.freeze(),
-            iterations=tuple(self._timeline.items),
-            peak=max(self._overall_peak, self._sampler.peak),
-            allocated=allocated,
-            reserved=reserved,
-            total_memory=backend.total_memory(),
-            peak_mode=backend.peak_mode,
-            measured=backend.measured,
-            notes=tuple(notes),
-            dropped_iterations=self._timeline.dropped,
-            torch_version=torch.__version__,
-            allocator_stats=counters[0],
-            nvml=counters[1],
-            censuses=tuple(self._censuses.censuses),
-            unused_graphs=self._roots.unused(),
+            device=str(backend.device), backend=backend.name, baseline=self._sampler.baseline,
+            layers=self._registry.freeze(), iterations=tuple(self._timeline.items),
+            peak=max(self._overall_peak, self._sampler.peak), allocated=allocated,
+            reserved=reserved, total_memory=backend.total_memory(),
+            peak_mode=backend.peak_mode, measured=backend.measured, notes=notes,
+            dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
+            allocator_stats=counters[0], nvml=counters[1],
+            censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
         )

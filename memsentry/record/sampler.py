@@ -6,15 +6,24 @@ innermost running forward and of the running backwards. What the samples cost is
 from __future__ import annotations
 
 from memsentry.measure import MallinfoBackend, MemoryBackend
+from memsentry.model import Breakdown, Phase
 from memsentry.record.calls import BackwardCall, ForwardCall
+from memsentry.record.parts import Parts
+
+#: What the four parts held when a peak was read, and where the loop was: (parameters,
+#: gradients, optimizer state, activations, phase, layer name or None).
+Moment = tuple[int, int, int, int, Phase, str | None]
 
 
 class Sampler:
     """Samples one backend for one recorder. ``forward`` is the recorder's stack of running
     forwards and ``backward`` its running backwards (shared, not copied)."""
 
-    def __init__(self, forward: list[ForwardCall], backward: dict[int, BackwardCall]) -> None:
+    def __init__(self, forward: list[ForwardCall], backward: dict[int, BackwardCall],
+                 parts: Parts) -> None:
         self.backend: MemoryBackend | None = None
+        self.parts = parts
+        self.at_peak: Moment = (0, 0, 0, 0, Phase.BETWEEN, None)
         self._forward = forward
         self._backward = backward
         self.in_ops = False  # mallinfo2: also sample at saved-tensor packs
@@ -29,8 +38,9 @@ class Sampler:
         self.in_ops = isinstance(backend, MallinfoBackend)
         self.baseline = self.last = self.peak = backend.allocated()
 
-    def sample(self, *, boundary: bool = False) -> int:
-        """Allocated bytes now (less memsentry's own), raising every running peak."""
+    def sample(self, *, step: bool = False) -> int:
+        """Allocated bytes now (less memsentry's own), raising every running peak; at a new
+        peak of the iteration, what the four parts held (``step``: in an optimizer step)."""
         backend = self.backend
         assert backend is not None
         allocated, peak = backend.sample()
@@ -40,6 +50,7 @@ class Sampler:
         high = allocated if peak is None or peak < allocated else peak
         if high > self.peak:
             self.peak = high
+            self.at_peak = self.moment(step=step)
         if self._forward:
             top = self._forward[-1]
             if high > top.peak:
@@ -49,3 +60,27 @@ class Sampler:
                 call.peak = high
         self.last = allocated
         return allocated
+
+    def moment(self, *, step: bool = False) -> Moment:
+        """What the four parts hold now, and where the loop is."""
+        parts = self.parts
+        if self._backward:
+            phase, layer = Phase.BACKWARD, next(reversed(self._backward.values())).record.name
+        elif self._forward:
+            phase, layer = Phase.FORWARD, self._forward[-1].record.name
+        else:
+            phase, layer = (Phase.STEP if step else Phase.BETWEEN), None
+        return (parts.parameters, parts.gradients, parts.optimizer_state, parts.live.total,
+                phase, layer)
+
+
+def breakdown(sampler: Sampler) -> Breakdown:
+    """The four parts at the running iteration's peak. The storage-counting backend does not
+    count storages made before tracking: those of the parts are added to its total."""
+    params, grads, state, saved, phase, layer = sampler.at_peak
+    total = sampler.peak
+    counted = getattr(sampler.backend, "counts", None)
+    if counted is not None:
+        total += sampler.parts.outside(counted)
+    return Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
+                        activations=saved, phase=phase, layer=layer)

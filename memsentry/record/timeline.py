@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memsentry.model import Boundary, IterationStats
+from memsentry.model import Boundary, Breakdown, IterationStats
 
 
 def batch_size(args: Any) -> int | None:
@@ -38,12 +38,12 @@ class IterationClock:
         self.calls += 1
 
     def close(self, boundary: Boundary, allocated: int, reserved: int | None, peak: int,
-              now: float) -> IterationStats:
+              now: float, parts: Breakdown | None = None) -> IterationStats:
         """The record of the iteration ending now."""
         return IterationStats(
             index=self.index, allocated=allocated, reserved=reserved, peak=peak,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
-            data_seconds=self.data_seconds, batch=self.batch,
+            data_seconds=self.data_seconds, batch=self.batch, parts=parts,
         )
 
     def advance(self, now: float) -> None:
@@ -80,8 +80,9 @@ class Timeline:
         numbered as the first part; returns its index."""
         del self.items[len(self.items) - len(parts):]
         first = parts[0] if parts else closing
+        highest = max([*parts, closing], key=lambda p: p.peak)
         self.items.append(replace(
-            closing, index=first.index, peak=max([closing.peak, *(p.peak for p in parts)]),
+            closing, index=first.index, peak=highest.peak, parts=highest.parts,
             seconds=closing.seconds + sum(p.seconds for p in parts),
             forward_calls=closing.forward_calls + sum(p.forward_calls for p in parts),
             data_seconds=first.data_seconds, batch=first.batch,

@@ -11,19 +11,21 @@ from tabulate import DataRow, TableFormat, tabulate
 
 from memsentry.model import (
     Boundary,
+    Breakdown,
     IterationStats,
     LayerStats,
     ReportData,
     complete,
     growth_per_iteration,
 )
+from memsentry.reporters.breakdown import layer_share, render_breakdown
 from memsentry.units import format_bytes
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
 # (tabulate widens every real header by two characters); ten columns then fit 100 characters.
 _LAYER_HEADERS = (
-    ("", "", "", "", "", "", "fwd", "fwd", "bwd", "bwd"),
-    ("layer", "type", "calls", "params", "output", "saved", "Δ", "peak", "Δ", "peak"),
+    ("", "", "", "", "", "", "of", "fwd", "fwd", "bwd", "bwd"),
+    ("layer", "type", "calls", "params", "output", "saved", "peak", "Δ", "peak", "Δ", "peak"),
 )
 _NARROW = TableFormat(
     lineabove=None,
@@ -69,7 +71,7 @@ def _cell(value: int | None) -> str:
     return format_bytes(value, compact=True)
 
 
-def _layer_row(layer: LayerStats) -> list[str]:
+def _layer_row(layer: LayerStats, peak: Breakdown | None) -> list[str]:
     return [
         layer.name,
         layer.type,
@@ -77,6 +79,7 @@ def _layer_row(layer: LayerStats) -> list[str]:
         _cell(layer.param_bytes),
         _cell(layer.output_bytes),
         _cell(layer.saved_bytes),
+        layer_share(layer, peak),
         _cell(layer.forward_delta),
         _cell(layer.forward_peak),
         _cell(layer.backward_delta),
@@ -94,7 +97,7 @@ def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
 
     return ["total (leaf layers)", "", "",
             total("param_bytes"), total("output_bytes"), total("saved_bytes"),
-            "", "", "", ""]
+            "", "", "", "", ""]
 
 
 def render_layers(report: ReportData, *, max_depth: int | None, top: int | None, width: int) -> str:
@@ -102,7 +105,8 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
     if not report.layers:
         return "Layers: no module forward ran while tracking."
     shown = select_layers(report.layers, max_depth=max_depth, top=top)
-    rows = [_layer_row(layer) for layer in shown]
+    peak = report.breakdown.peak
+    rows = [_layer_row(layer, peak) for layer in shown]
     rows.append(_totals_row(report.layers))
     # Fit to the width: every column but the name keeps its size, the name gets what is left.
     every = [*_LAYER_HEADERS, *rows]
@@ -124,7 +128,7 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
         title += f"; {len(shown)} of {len(report.layers)} shown: {', '.join(limits)}"
     title = textwrap.fill(title + ")", width, subsequent_indent="  ")
     table = tabulate([*map(list, _LAYER_HEADERS), rule, *rows], tablefmt=_NARROW,
-                     colalign=("left", "left") + ("right",) * 8, disable_numparse=True)
+                     colalign=("left", "left") + ("right",) * 9, disable_numparse=True)
     return f"{title}\n{table}"
 
 
@@ -212,6 +216,9 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
         sections.append(render_findings(report, width=width))
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
     sections.append(render_iterations(report))
+    breakdown = render_breakdown(report, width=width)
+    if breakdown is not None:
+        sections.append(breakdown)
     if report.notes:
         sections.append("\n".join(
             textwrap.fill(f"note: {note}", width, subsequent_indent="      ")

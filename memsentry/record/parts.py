@@ -1,0 +1,171 @@
+"""Running totals of the four parts of a training step's memory: parameters, gradients,
+optimizer state and activations (saved for backward), read where they change.
+
+- Parameters (the tracked model's, or the outermost modules' without one, and every
+  optimizer's) and optimizer state are enumerated at iteration boundaries: they change in an
+  optimizer step, which a boundary follows.
+- Gradients are enumerated at the start of each iteration's first forward (after
+  ``zero_grad``), at the end of each backward pass and at boundaries; in between, the end of
+  a measured layer's backward adds the gradients of that layer's own parameters.
+- Activations are counted as autograd saves and frees them: each tensor saved inside a
+  module's forward is packed in a :class:`Saved`, whose release (when autograd frees the
+  graph node that kept it) takes its bytes off, storage by storage.
+
+Every storage counts once, in the first of parameters, gradients, optimizer state that has
+it. Only weak references to modules, parameters and optimizers are kept.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsentry.measure.storage import storage_of
+
+Keys = dict[int, int]  # storage pointer -> bytes
+
+
+class LiveSaved:
+    """Bytes of the storages saved for backward that autograd still keeps."""
+
+    __slots__ = ("_refs", "total")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, list[int]] = {}  # pointer -> [packs alive, bytes]
+        self.total = 0
+
+    def add(self, key: int, size: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [1, size]
+            self.total += size
+        else:
+            entry[0] += 1
+
+    def release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._refs[key]
+            self.total -= entry[1]
+
+
+class Saved:
+    """What the saved-tensor hook packs: a detached alias of the saved tensor and its version,
+    and, when its storage was counted as an activation, the count to take it off when
+    autograd lets go of it."""
+
+    __slots__ = ("key", "live", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int, live: LiveSaved | None = None,
+                 key: int = 0) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.live = live
+        self.key = key
+
+    def __del__(self) -> None:
+        live = self.live
+        if live is not None:
+            live.release(self.key)
+
+
+def _add(found: tuple[int, int, Any] | None, into: Keys, *taken: Keys) -> None:
+    if found is None or not found[0] or found[0] in into:
+        return
+    if any(found[0] in keys for keys in taken):
+        return
+    into[found[0]] = found[1]
+
+
+class Parts:
+    """The four parts now. ``roots()`` gives the modules whose parameters count (the tracked
+    model, or the outermost modules called); optimizers are added as they step."""
+
+    def __init__(self, roots: Callable[[], Iterable[nn.Module]]) -> None:
+        self._roots = roots
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._params: list[weakref.ref[torch.Tensor]] = []
+        self.live = LiveSaved()
+        self.param_keys: Keys = {}
+        self.grad_keys: Keys = {}
+        self.state_keys: Keys = {}
+        self.parameters = self.gradients = self.optimizer_state = 0
+
+    @property
+    def activations(self) -> int:
+        return self.live.total
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizers.add(optimizer)
+
+    # -- reading ---------------------------------------------------------------------------
+    def read_all(self) -> None:
+        """Enumerate parameters, gradients and optimizer state (at a boundary)."""
+        params: dict[int, torch.Tensor] = {}
+        param: torch.Tensor
+        for module in self._roots():
+            for param in module.parameters():
+                params.setdefault(id(param), param)
+        for optimizer in list(self._optimizers):
+            for group in optimizer.param_groups:
+                for param in group.get("params", ()):
+                    if isinstance(param, torch.Tensor):
+                        params.setdefault(id(param), param)
+        self._params = [weakref.ref(p) for p in params.values()]
+        keys: Keys = {}
+        for param in params.values():
+            _add(storage_of(param), keys)
+        self.param_keys = keys
+        self.parameters = sum(keys.values())
+        self.read_gradients(list(params.values()))
+        state: Keys = {}
+        for optimizer in list(self._optimizers):
+            for per_param in list(optimizer.state.values()):
+                values = per_param.values() if isinstance(per_param, dict) else (per_param,)
+                for value in values:
+                    if isinstance(value, torch.Tensor):
+                        _add(storage_of(value), state, self.param_keys, self.grad_keys)
+        self.state_keys = state
+        self.optimizer_state = sum(state.values())
+
+    def read_gradients(self, params: list[torch.Tensor] | None = None) -> None:
+        """Enumerate the gradients of the parameters read at the last boundary."""
+        if params is None:
+            params = [p for p in (ref() for ref in self._params) if p is not None]
+        keys: Keys = {}
+        for param in params:
+            grad = param.grad
+            if grad is not None:
+                _add(storage_of(grad), keys, self.param_keys)
+        self.grad_keys = keys
+        self.gradients = sum(keys.values())
+
+    def add_gradients(self, params: Iterable[weakref.ref[torch.Tensor]]) -> None:
+        """A layer's backward ended: count its own parameters' gradients made since."""
+        keys = self.grad_keys
+        for ref in params:
+            param = ref()
+            grad = param.grad if param is not None else None
+            if grad is None:
+                continue
+            found = storage_of(grad)
+            if found is not None and found[0] and found[0] not in keys \
+                    and found[0] not in self.param_keys:
+                keys[found[0]] = found[1]
+                self.gradients += found[1]
+
+    def outside(self, counted: Callable[[int], bool]) -> int:
+        """Bytes of the storages of the four parts that the backend does not count (the
+        storage-counting backend counts only storages made while tracking)."""
+        return sum(size for keys in (self.param_keys, self.grad_keys, self.state_keys)
+                   for key, size in keys.items() if not counted(key))
+
+
+__all__ = ["LiveSaved", "Parts", "Saved"]

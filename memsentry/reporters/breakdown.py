@@ -1,0 +1,58 @@
+"""The breakdown table: what memory held at the highest iteration peak, by category."""
+
+from __future__ import annotations
+
+import textwrap
+
+from tabulate import tabulate
+
+from memsentry.model import CATEGORIES, Breakdown, LayerStats, Measured, ReportData
+from memsentry.units import format_bytes
+
+_LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "other": "other",
+}
+
+
+def layer_share(layer: LayerStats, peak: Breakdown | None) -> str:
+    """A layer's saved-for-backward bytes (its largest call) as a share of the peak."""
+    if peak is None or not peak.total or layer.saved_bytes is None:
+        return "-"
+    share = layer.saved_bytes / peak.total
+    return f"{share:.0%}" if share >= 0.01 or not layer.saved_bytes else "<1%"
+
+
+def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
+    """The table, or ``None`` when no iteration carries a breakdown."""
+    peak = report.breakdown.peak
+    if peak is None:
+        return None
+    index = next((it.index for it in report.iterations if it.parts is peak), None)
+    rows = []
+    for name in CATEGORIES:
+        value = peak.part(name)
+        rows.append([_LABELS[name], format_bytes(value),
+                     f"{value / peak.total:.0%}" if peak.total else "-"])
+    rows.append(["total", format_bytes(peak.total), ""])
+    title = "Memory at the highest peak"
+    if index is not None:
+        title += f" (iteration {index}, {peak.where})"
+    lines = [title, tabulate(rows, tablefmt="plain", colalign=("left", "right", "right"),
+                             disable_numparse=True)]
+    lines.append("The layers' `of peak` column is each layer's saved bytes over this total.")
+    if report.measured is Measured.HEAP:
+        lines.append(f"`other` includes the rest of the process's heap, which glibc counts "
+                     f"with the tensors ({format_bytes(report.baseline)} when tracking began, "
+                     "parameters included).")
+    if peak.excess:
+        lines.append(f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
+                     "read: the peak fell between the moments they were read.")
+    return "\n".join(textwrap.fill(line, width) if "\n" not in line else line
+                     for line in lines)
+
+
+__all__ = ["layer_share", "render_breakdown"]
