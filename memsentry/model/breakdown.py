@@ -31,7 +31,9 @@ class Breakdown:
     ``phase`` and ``layer`` say where the loop was when it was read: the forward or the
     backward of that layer, or an iteration boundary. When the four parts exceed ``total``
     (the peak was read between the samples the parts were read at), ``other`` is 0 and
-    ``excess`` holds the difference.
+    ``excess`` holds the difference. ``read_in`` is the iteration whose reading of the four
+    parts this one carries (``None``: read in this one), when memsentry measured the layers
+    in turn to keep within ``track(overhead=...)``.
     """
 
     parameters: int
@@ -43,16 +45,17 @@ class Breakdown:
     phase: Phase = Phase.BETWEEN
     layer: str | None = None
     excess: int = 0
+    read_in: int | None = None
 
     @classmethod
     def of(cls, total: int, *, parameters: int, gradients: int, optimizer_state: int,
-           activations: int, phase: Phase = Phase.BETWEEN,
-           layer: str | None = None) -> Breakdown:
+           activations: int, phase: Phase = Phase.BETWEEN, layer: str | None = None,
+           read_in: int | None = None) -> Breakdown:
         """A breakdown whose ``other`` is what the four parts leave of ``total``."""
         known = parameters + gradients + optimizer_state + activations
         return cls(parameters=parameters, gradients=gradients, optimizer_state=optimizer_state,
                    activations=activations, other=max(0, total - known), total=total,
-                   phase=phase, layer=layer, excess=max(0, known - total))
+                   phase=phase, layer=layer, excess=max(0, known - total), read_in=read_in)
 
     def part(self, name: str) -> int:
         """The bytes of category ``name`` (one of :data:`CATEGORIES`)."""

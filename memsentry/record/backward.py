@@ -91,7 +91,8 @@ class BackwardTimer:
             if call.state != BackwardCall.RUNNING or not self.active:
                 return
             started = time.perf_counter()
-            self._sampler.parts.add_gradients(call.record.own_params)
+            if self._sampler.parts.due:
+                self._sampler.parts.add_gradients(call.record.own_params)
             self._finish(call, self._sampler.sample())
             del self.running[id(call)]
             self._coverage.count(started)
@@ -107,7 +108,8 @@ class BackwardTimer:
         if not self.active:
             return
         started = time.perf_counter()
-        self._sampler.parts.read_gradients()
+        if self._sampler.parts.due:
+            self._sampler.parts.read_gradients()
         allocated = self._sampler.sample()
         self._coverage.count(started)
         for call in self.running.values():

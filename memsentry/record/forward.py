@@ -35,7 +35,7 @@ from memsentry.record.layers import (
     fully_sharded,
     storage_bytes,
 )
-from memsentry.record.parts import LiveSaved, Saved
+from memsentry.record.parts import LiveSaved, Parts, Saved
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.timeline import IterationClock
@@ -82,20 +82,27 @@ SHARDED_NOTE = (
 def of_parameter(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a parameter or a view of one (``linear`` saves ``weight.t()``).
     Checked by type, not by storage: FSDP2 allocates its unsharded parameters' storages anew
-    at each forward, so they are not where the layers' first calls found them."""
+    at each forward, so they are not where the layers' first calls found them. A plain
+    tensor skips ``Parameter``'s instance check, which costs microseconds."""
+    if type(tensor) is torch.Tensor:
+        base = tensor._base
+        return base is not None and type(base) is not torch.Tensor \
+            and isinstance(base, nn.Parameter)
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
-def _count_saved(call: ForwardCall, tensor: torch.Tensor, packed: Saved, live: LiveSaved,
-                 static: set[int]) -> None:
-    """A tensor saved inside ``call``: its storage is the call's and alive until autograd
-    frees ``packed``. Parameters and buffers saved by an op are not new memory."""
+def _count_saved(call: ForwardCall, tensor: torch.Tensor, packed: Saved,
+                 live: LiveSaved | None, static: set[int]) -> None:
+    """A tensor saved inside ``call``: its storage is the call's, and (with ``live``) alive
+    until autograd frees ``packed``. Parameters and buffers saved by an op are not new
+    memory."""
     found = None if of_parameter(tensor) else storage_of(tensor)
     if found is None or not found[0] or found[0] in static:
         return
     key, size, _storage = found
-    live.add(key, size)
-    packed.live, packed.key = live, key
+    if live is not None:
+        live.add(key, size)
+        packed.live, packed.key = live, key
     if key not in call.saved:
         call.saved[key] = size
         call.saved_bytes += size
@@ -123,11 +130,11 @@ class ForwardRecorder:
 
     def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
                  stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
-                 saved: bool, coverage: Coverage, live: LiveSaved,
+                 saved: bool, coverage: Coverage, parts: Parts,
                  start_backend: Callable[[nn.Module, Any], None],
                  iteration_start: Callable[[nn.Module], None]) -> None:
         self.active = False
-        self._live = live
+        self._parts = parts
         self.coverage = coverage
         self.anchors: set[int] = set()  # layers called outermost: always hooked
         self._module_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
@@ -275,10 +282,7 @@ class ForwardRecorder:
             self.anchors.add(record.index)
         else:
             parent.is_leaf = False
-        # Saved-tensor hooks around every outermost call, measured or not: the activations
-        # alive at each moment are counted whichever layers are measured.
-        pushed = ((measured or parent is None) and self._saved
-                  and self._push_saved_hooks(record.name))
+        pushed = measured and self._saved and self._push_saved_hooks(record.name)
         allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)
         call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed)
@@ -352,7 +356,8 @@ class ForwardRecorder:
         if self.active and self._sampler.backend is not None and self.stack:
             started = time.perf_counter()
             call = self.stack[-1]
-            _count_saved(call, tensor, packed, self._live, self._registry.static_storages)
+            _count_saved(call, tensor, packed, self._parts.live if self._parts.due else None,
+                         self._registry.static_storages)
             if call.measured and self._sampler.in_ops:
                 self._sampler.sample()
             self.coverage.count(started)

@@ -11,12 +11,17 @@ optimizer state and activations (saved for backward), read where they change.
   module's forward is packed in a :class:`Saved`, whose release (when autograd frees the
   graph node that kept it) takes its bytes off, storage by storage.
 
+When measuring every layer call costs more than ``track(overhead=...)`` allows, the parts are
+read only in the iterations whose outermost call is measured (its saved-tensor hooks see
+every op then); the other iterations carry that reading.
+
 Every storage counts once, in the first of parameters, gradients, optimizer state that has
 it. Only weak references to modules, parameters and optimizers are kept.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +30,9 @@ import torch
 from torch import nn
 
 from memsentry.measure.storage import storage_of
+from memsentry.model import Breakdown
+from memsentry.record.coverage import Coverage
+from memsentry.record.layers import LayerRecord
 
 Keys = dict[int, int]  # storage pointer -> bytes
 
@@ -97,10 +105,25 @@ class Parts:
         self.grad_keys: Keys = {}
         self.state_keys: Keys = {}
         self.parameters = self.gradients = self.optimizer_state = 0
+        # Whether the running iteration reads the parts: when layers are measured in turn
+        # (record.coverage), only iterations whose outermost call is measured do; the others
+        # carry the last reading (``fresh``: that breakdown and its iteration).
+        self.due = True
+        self.fresh: tuple[Breakdown, int] | None = None
 
     @property
     def activations(self) -> int:
         return self.live.total
+
+    def begin(self, coverage: Coverage, root: LayerRecord | None) -> None:
+        """An iteration's first module call (after ``zero_grad()``), of the layer ``root``
+        (``None``: its first call): whether the iteration reads the parts (its outermost call
+        is measured), and if so the gradients left from the last one."""
+        self.due = root is None or coverage.measures(root.index)
+        if self.due:
+            started = time.perf_counter()
+            self.read_gradients()
+            coverage.count(started)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)

@@ -78,7 +78,7 @@ class Recorder:
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
-            saved=options.saved_tensors, coverage=self._coverage, live=self._parts.live,
+            saved=options.saved_tensors, coverage=self._coverage, parts=self._parts,
             start_backend=self._start_lazily,
             iteration_start=self._outermost_call,
         )
@@ -206,9 +206,7 @@ class Recorder:
         if self._signals.repeats_first_call(module):
             self._signal(Boundary.FORWARD)
         if not self._clock.calls:  # the iteration's first call: after zero_grad()
-            started = time.perf_counter()
-            self._parts.read_gradients()
-            self._coverage.count(started)
+            self._parts.begin(self._coverage, self._registry.record_of(module))
         if self._censuses.pending is not None:
             self._clock.started += self._censuses.take_pending(**self._census_roots())
 
@@ -231,11 +229,13 @@ class Recorder:
         sampler = self._sampler
         assert sampler.backend is not None
         now = time.perf_counter()
-        self._parts.read_all()  # the step may have made optimizer state
-        self._coverage.count(now)
+        if self._parts.due:
+            self._parts.read_all()  # the step may have made optimizer state
+            self._coverage.count(now)
         allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
-                                    sampler.peak, now, parts=breakdown(sampler))
+                                    sampler.peak, now,
+                                    parts=breakdown(sampler, self._clock.index))
         parts: list[IterationStats] = []
         if merge:
             for item in reversed(self._timeline.items):

@@ -74,13 +74,22 @@ class Sampler:
                 phase, layer)
 
 
-def breakdown(sampler: Sampler) -> Breakdown:
-    """The four parts at the running iteration's peak. The storage-counting backend does not
-    count storages made before tracking: those of the parts are added to its total."""
-    params, grads, state, saved, phase, layer = sampler.at_peak
+def breakdown(sampler: Sampler, index: int) -> Breakdown:
+    """The four parts at iteration ``index``'s peak, read in it or carried from the last
+    iteration that read them. The storage-counting backend does not count storages made
+    before tracking: those of the parts are added to its total."""
+    parts = sampler.parts
     total = sampler.peak
     counted = getattr(sampler.backend, "counts", None)
     if counted is not None:
-        total += sampler.parts.outside(counted)
-    return Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
-                        activations=saved, phase=phase, layer=layer)
+        total += parts.outside(counted)
+    if not parts.due and parts.fresh is not None:
+        last, read_in = parts.fresh
+        return Breakdown.of(total, parameters=last.parameters, gradients=last.gradients,
+                            optimizer_state=last.optimizer_state, activations=last.activations,
+                            phase=last.phase, layer=last.layer, read_in=read_in)
+    params, grads, state, saved, phase, layer = sampler.at_peak
+    found = Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
+                         activations=saved, phase=phase, layer=layer)
+    parts.fresh = (found, index)
+    return found
