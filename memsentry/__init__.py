@@ -13,6 +13,8 @@ from memsentry.version import __version__
 
 _EXPORTS = {
     "Boundary": "memsentry.model",
+    "Breakdown": "memsentry.model",
+    "Breakdowns": "memsentry.model",
     "Census": "memsentry.model",
     "Finding": "memsentry.model",
     "GarbageStats": "memsentry.model",
@@ -24,6 +26,7 @@ _EXPORTS = {
     "Location": "memsentry.model",
     "Measured": "memsentry.model",
     "PeakMode": "memsentry.model",
+    "Phase": "memsentry.model",
     "ReportData": "memsentry.model",
     "Scope": "memsentry.model",
     "ScopeKind": "memsentry.model",
@@ -52,6 +55,8 @@ __all__ = [
     "REPORTERS",
     "RULES",
     "Boundary",
+    "Breakdown",
+    "Breakdowns",
     "Census",
     "Finding",
     "GarbageStats",
@@ -66,6 +71,7 @@ __all__ = [
     "Measured",
     "MemsentryError",
     "PeakMode",
+    "Phase",
     "Report",
     "ReportData",
     "Scope",
@@ -96,6 +102,8 @@ if TYPE_CHECKING:
     )
     from memsentry.model import (
         Boundary,
+        Breakdown,
+        Breakdowns,
         Census,
         Finding,
         GarbageStats,
@@ -107,6 +115,7 @@ if TYPE_CHECKING:
         Location,
         Measured,
         PeakMode,
+        Phase,
         ReportData,
         Scope,
         ScopeKind,

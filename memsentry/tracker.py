@@ -8,6 +8,7 @@ The public face of the pipeline: a :class:`~memsentry.record.Recorder` records, 
 from __future__ import annotations
 
 import enum
+import sys
 import warnings
 from dataclasses import replace
 from types import TracebackType
@@ -19,7 +20,9 @@ from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
 from memsentry.report import Report
+from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
+from memsentry.rules.oom import explain_oom
 
 
 class _State(enum.Enum):
@@ -97,17 +100,21 @@ class Tracker:
             raise
         return self
 
-    def stop(self) -> Report:
+    def stop(self, error: BaseException | None = None) -> Report:
         """End tracking: close the partial iteration, remove every hook, forget the model,
         then act on leaks as ``on_leak`` says. Returns the final report. Calling it again
-        returns the same report and does nothing else."""
+        returns the same report and does nothing else.
+
+        ``error`` is the exception that ended the run (a framework's ``on_exception``); by
+        default, the one being handled when ``stop()`` is called from an ``except`` block.
+        An out-of-memory error is explained in ``report.oom`` and gets memsentry's note."""
         if self._state is _State.NEW:
             raise TrackerStateError(
                 "Tracker.stop() was called before start(); call start() first, or use "
                 "`with memsentry.track(...) as t:`"
             )
         if self._state is _State.ACTIVE:
-            self._finish(raising=False)
+            self._end(error if error is not None else sys.exc_info()[1])
         return self.report()
 
     def __enter__(self) -> Tracker:
@@ -120,7 +127,28 @@ class Tracker:
         tb: TracebackType | None,
     ) -> None:
         if self._state is _State.ACTIVE:
-            self._finish(raising=exc_type is not None)
+            self._end(exc)
+
+    def _end(self, error: BaseException | None) -> None:
+        if error is not None:
+            try:
+                self._recorder.failed(error)
+            except Exception:  # never replace the user's error with memsentry's
+                pass
+        self._finish(raising=error is not None)
+        if error is not None:
+            self._note_failure(error)
+
+    def _note_failure(self, error: BaseException) -> None:
+        """An out-of-memory error leaving the block gets memsentry's verdict as a note; its
+        type, message and traceback stay as they were."""
+        add_note = getattr(error, "add_note", None)  # Python 3.11 and newer
+        try:
+            oom = self.report().oom if add_note is not None else None
+            if oom is not None and add_note is not None:
+                add_note(oom_note(oom))
+        except Exception:
+            pass
 
     def _finish(self, *, raising: bool) -> None:
         self._state = _State.STOPPED
@@ -167,7 +195,7 @@ class Tracker:
         the rules' findings."""
         recording: ReportData = self._recorder.recording()
         report = Report.from_data(recording)
-        return replace(report, findings=analyse(report))
+        return replace(report, findings=analyse(report), oom=explain_oom(report))
 
 
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.

@@ -7,9 +7,13 @@ import os
 import runpy
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.errors import MemsentryError
+
+if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
+    from memsentry.tracker import Tracker
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +42,9 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _run_script(args: argparse.Namespace) -> int:
-    """Run the script as ``__main__``; its exit code (1 for an uncaught error, shown)."""
+def _run_script(args: argparse.Namespace, tracker: Tracker) -> int:
+    """Run the script as ``__main__``; its exit code (1 for an uncaught error, shown after
+    the tracker stopped: an out-of-memory error then carries memsentry's note)."""
     try:
         if args.module:
             runpy.run_module(args.script, run_name="__main__", alter_sys=True)
@@ -51,6 +56,7 @@ def _run_script(args: argparse.Namespace) -> int:
         traceback.print_exc()
         return 130
     except Exception:  # the script's own failure: show it, still report
+        tracker.stop()  # while handling it: stop() explains an out-of-memory error
         traceback.print_exc()
         return 1
     return 0
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     else os.path.dirname(os.path.abspath(args.script)))
     try:
         with tracker:
-            code = _run_script(args)
+            code = _run_script(args, tracker)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = tracker.report()

@@ -20,6 +20,7 @@ from memsentry.model.holders import (
 )
 from memsentry.model.kinds import (
     Boundary,
+    FixKind,
     HolderKind,
     Measured,
     PeakMode,
@@ -29,6 +30,7 @@ from memsentry.model.kinds import (
     StepKind,
     SubjectKind,
 )
+from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
 from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
@@ -40,15 +42,19 @@ __all__ = [
     "Breakdowns",
     "Census",
     "Finding",
+    "FixKind",
     "GarbageStats",
     "HeldTensor",
     "HolderKind",
     "HolderStats",
     "HookStats",
     "IterationStats",
+    "LayerBytes",
     "LayerStats",
     "Location",
     "Measured",
+    "OomFix",
+    "OutOfMemory",
     "PeakMode",
     "Phase",
     "ReportData",

@@ -41,6 +41,16 @@ class Phase(_Text):
     BETWEEN = "between layers"
 
 
+class FixKind(_Text):
+    """What an out-of-memory fix changes."""
+
+    BATCH = "batch"
+    CHECKPOINT = "checkpoint"
+    AUTOCAST = "autocast"
+    OPTIMIZER = "optimizer"
+    REQUEST = "request"
+
+
 class PeakMode(_Text):
     """How peaks were measured: at sample points (a lower bound) or counting every allocation."""
 
@@ -101,5 +111,5 @@ class SubjectKind(_Text):
     LOOP = "loop"
 
 
-__all__ = ["Boundary", "HolderKind", "Measured", "PeakMode", "Phase", "ScopeKind", "Severity",
-           "StepKind", "SubjectKind"]
+__all__ = ["Boundary", "FixKind", "HolderKind", "Measured", "PeakMode", "Phase", "ScopeKind",
+           "Severity", "StepKind", "SubjectKind"]

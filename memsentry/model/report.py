@@ -13,6 +13,7 @@ from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
+from memsentry.model.oom import OutOfMemory
 from memsentry.model.timeline import IterationStats, LayerStats
 
 #: The version of the JSON layout; 1 was memsentry 0.1.0's (holders named by a string).
@@ -34,7 +35,8 @@ class ReportData:
     (``torch.cuda.memory_stats()`` on CUDA, glibc's ``mallinfo2`` fields on CPU); ``nvml`` is
     the driver's view of a CUDA device (used, total, this process, utilisation) or why it is
     unavailable. ``censuses`` are the holder searches made at iteration boundaries;
-    ``unused_graphs`` the forward calls whose autograd graph no backward used.
+    ``unused_graphs`` the forward calls whose autograd graph no backward used. ``oom`` is the
+    out-of-memory error that ended the block, explained (``None`` when none did).
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -58,6 +60,7 @@ class ReportData:
     nvml: dict[str, Any] | None = None
     censuses: tuple[Census, ...] = ()
     unused_graphs: tuple[UnusedGraph, ...] = ()
+    oom: OutOfMemory | None = None
 
     @property
     def breakdown(self) -> Breakdowns:

@@ -10,6 +10,7 @@ repeated at unpack.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from memsentry.measure.storage import storage_of
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall
 from memsentry.record.coverage import Coverage
+from memsentry.record.failure import FailureWatch
 from memsentry.record.layers import (
     LayerRegistry,
     compiled_original,
@@ -135,6 +137,7 @@ class ForwardRecorder:
                  iteration_start: Callable[[nn.Module], None]) -> None:
         self.active = False
         self._parts = parts
+        self.failures = FailureWatch()
         self.coverage = coverage
         self.anchors: set[int] = set()  # layers called outermost: always hooked
         self._module_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
@@ -304,6 +307,9 @@ class ForwardRecorder:
         started = time.perf_counter()
         # Read before the call leaves the stack: the reading raises its peak.
         allocated = self._sampler.sample() if stack[-1].measured else 0
+        error = sys.exc_info()[1]  # PyTorch runs this hook while an error propagates
+        if error is not None:
+            self.failures.check(error, record.name, self._sampler)
         call = stack.pop()
         while call.record is not record and stack:  # a child whose post hook never ran
             call = stack.pop()

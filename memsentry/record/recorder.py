@@ -28,10 +28,11 @@ from memsentry.measure import (
     nvml_query,
     parse_device,
 )
-from memsentry.model import Boundary, IterationStats, ReportData
+from memsentry.model import Boundary, IterationStats, OutOfMemory, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import BackwardCall, ForwardCall
 from memsentry.record.coverage import Coverage, coverage_notes
+from memsentry.record.failure import explain
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
@@ -53,6 +54,17 @@ def read_counters(backend: MemoryBackend) -> Counters:
     return backend.stats(), nvml
 
 
+def part_roots(model_ref: weakref.ref[nn.Module] | None, registry: LayerRegistry,
+               anchors: set[int]) -> list[nn.Module]:
+    """The modules whose parameters count: the tracked model, or without one the outermost
+    modules called so far."""
+    model = model_ref() if model_ref is not None else None
+    if model is not None:
+        return [model]
+    modules = registry.by_index()
+    return [modules[i] for i in sorted(anchors) if i in modules]
+
+
 class Recorder:
     """Records memory per layer and per iteration between :meth:`start` and :meth:`stop`."""
 
@@ -67,7 +79,8 @@ class Recorder:
         self._clock = IterationClock()
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
-        self._parts = Parts(self._part_roots)
+        self._parts = Parts(lambda: part_roots(self._model_ref, self._registry,
+                                               self._forward.anchors))
         self._sampler = Sampler(self._stack, running, self._parts)
         self._coverage = Coverage(options.overhead)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
@@ -86,6 +99,7 @@ class Recorder:
         self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._overall_peak = 0
         self._final: tuple[int, int | None, Counters] | None = None
+        self._oom: OutOfMemory | None = None
         self.active = False
 
     # -- start and stop --------------------------------------------------------------------
@@ -110,10 +124,8 @@ class Recorder:
             self._registry.name_tree(model)
             self._handles += forward.hook_model(model)
         else:
-            self._handles.append(register_module_forward_pre_hook(forward.pre_forward))
-            self._handles.append(
-                register_module_forward_hook(forward.post_forward, always_call=True)
-            )
+            self._handles += [register_module_forward_pre_hook(forward.pre_forward),
+                              register_module_forward_hook(forward.post_forward, always_call=True)]
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         if self.options.holders:
             gc.callbacks.append(self._censuses.gc_event)
@@ -167,13 +179,6 @@ class Recorder:
         self._sampler.start(make_backend(device, exact=self.options.exact))
         self._sampler.at_peak = self._sampler.moment()
         self._overall_peak = self._sampler.baseline
-
-    def _part_roots(self) -> list[nn.Module]:
-        """The tracked model, or without one the outermost modules called so far."""
-        model = self._model_ref() if self._model_ref is not None else None
-        modules = {0: model} if model is not None else self._registry.by_index()
-        return [modules[i] for i in ({0} if model is not None else self._forward.anchors)
-                if i in modules]
 
     def _start_lazily(self, module: nn.Module, args: Any) -> None:
         """Tracking without a device on a CUDA machine: pick the device at the first module
@@ -273,6 +278,12 @@ class Recorder:
         own = {handle.id for handle in handles if hasattr(handle, "id")}
         return {"model": model, "own_hooks": own, "skip": {id(self)}}
 
+    def failed(self, error: BaseException) -> None:
+        """The block ends with ``error``: an out-of-memory error is explained in the report;
+        the graphs of the iteration it broke off are not judged unused."""
+        self._roots.abandon()
+        self._oom = explain(error, self._forward.failures, self._sampler, self._clock)
+
     # -- results ---------------------------------------------------------------------------
     def recording(self) -> ReportData:
         """What was recorded so far (also while recording), frozen, without findings."""
@@ -302,4 +313,5 @@ class Recorder:
             dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
             allocator_stats=counters[0], nvml=counters[1],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
+            oom=self._oom,
         )

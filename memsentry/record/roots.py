@@ -95,6 +95,15 @@ class RootCalls:
                 self._unused[call.name] = call.fold_into(self._unused.get(call.name))
         self._running = kept
 
+    def abandon(self) -> None:
+        """The block ends with an error: the running iteration's calls are not judged (the
+        error took their backward's chance away)."""
+        for call in self._running:
+            if call.generation >= self._clock.index:
+                for handle in call.handles:
+                    handle.remove()
+        self._running = [c for c in self._running if c.generation < self._clock.index]
+
     def unused(self) -> tuple[UnusedGraph, ...]:
         """Settled unused graphs plus those of the running iteration that are still unused."""
         unused = dict(self._unused)

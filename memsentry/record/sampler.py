@@ -74,15 +74,18 @@ class Sampler:
                 phase, layer)
 
 
+def with_outside(sampler: Sampler, total: int) -> int:
+    """``total`` plus the parts' storages the backend does not count (the storage-counting
+    backend counts only storages made while tracking)."""
+    counted = getattr(sampler.backend, "counts", None)
+    return total + sampler.parts.outside(counted) if counted is not None else total
+
+
 def breakdown(sampler: Sampler, index: int) -> Breakdown:
     """The four parts at iteration ``index``'s peak, read in it or carried from the last
-    iteration that read them. The storage-counting backend does not count storages made
-    before tracking: those of the parts are added to its total."""
+    iteration that read them."""
     parts = sampler.parts
-    total = sampler.peak
-    counted = getattr(sampler.backend, "counts", None)
-    if counted is not None:
-        total += parts.outside(counted)
+    total = with_outside(sampler, sampler.peak)
     if not parts.due and parts.fresh is not None:
         last, read_in = parts.fresh
         return Breakdown.of(total, parameters=last.parameters, gradients=last.gradients,

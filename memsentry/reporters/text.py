@@ -19,6 +19,7 @@ from memsentry.model import (
     growth_per_iteration,
 )
 from memsentry.reporters.breakdown import layer_share, render_breakdown
+from memsentry.reporters.oom import render_oom
 from memsentry.units import format_bytes
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
@@ -212,6 +213,8 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
                 width: int = 100) -> str:
     """The whole text report: header, findings, layers, iterations, notes."""
     sections = [render_header(report)]
+    if report.oom is not None:
+        sections.append(render_oom(report.oom, width=width))
     if report.findings:
         sections.append(render_findings(report, width=width))
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))

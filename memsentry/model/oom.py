@@ -1,0 +1,68 @@
+"""An out-of-memory failure inside a tracked block: where it happened, what memory held, and
+what would have made it fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memsentry.model.breakdown import Breakdown
+from memsentry.model.kinds import FixKind, Phase
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """A layer and a number of bytes it accounts for (its activations saved for backward)."""
+
+    layer: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class OomFix:
+    """One change that would lower the memory the run needed: what to do (``text``), the
+    bytes it would save by memsentry's arithmetic (``saves``; ``None`` when it cannot say),
+    and for a smaller batch the batch that would have fit (``batch``)."""
+
+    kind: FixKind
+    text: str
+    saves: int | None = None
+    batch: int | None = None
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """``report.oom``: the out-of-memory error that ended the tracked block.
+
+    - ``error`` and ``message``: the exception's type and the first line of its message.
+    - ``phase`` and ``layer``: where the loop was (the forward or backward of that layer, an
+      optimizer step, or between layers); ``iteration``: the iteration running.
+    - ``requested_bytes``: the size of the allocation that failed, read from the message
+      (``None`` when it does not say).
+    - ``breakdown``: what memory held when the error was caught, by category.
+    - ``capacity``: the device's memory (the machine's for the CPU), when known.
+    - ``batch``: the batch size of the running iteration, when known.
+    - ``largest``: the layers with the most activations saved for backward.
+    - ``fixes``: changes that would have made it fit, with their arithmetic.
+    """
+
+    error: str
+    message: str
+    phase: Phase
+    layer: str | None
+    iteration: int
+    requested_bytes: int | None
+    breakdown: Breakdown
+    capacity: int | None = None
+    batch: int | None = None
+    largest: tuple[LayerBytes, ...] = ()
+    fixes: tuple[OomFix, ...] = ()
+
+    @property
+    def where(self) -> str:
+        """``forward of `encoder.3```, ``optimizer step``, ``between layers``."""
+        if self.layer is None or self.phase in (Phase.STEP, Phase.BETWEEN):
+            return str(self.phase)
+        return f"{self.phase} of `{self.layer}`"
+
+
+__all__ = ["LayerBytes", "OomFix", "OutOfMemory"]
