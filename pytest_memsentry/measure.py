@@ -204,7 +204,9 @@ class Window:
     CUDA device when it was set up (kept across tests by the plugin).
     """
 
-    def __init__(self, cuda: CudaApi, fixture_growth: dict[Any, dict[int, int]]) -> None:
+    def __init__(self, cuda: CudaApi, fixture_growth: dict[Any, dict[int, int]], *,
+                 sites: bool = True) -> None:
+        self._sites = sites  # the line of each storage (for the table of a failed test)
         self._cuda = cuda
         self._fixture_growth = fixture_growth
         self._counter: StorageCounter | None = None
@@ -230,7 +232,7 @@ class Window:
                                             self._cuda.driver_used(device))
                 self._cuda.reset_peak(device)
             self._alive_fixtures = {f for f in self._fixture_growth if _alive(f)}
-        self._counter = StorageCounter(sites=True, other_devices=bool(self._cuda_start))
+        self._counter = StorageCounter(sites=self._sites, other_devices=bool(self._cuda_start))
         self._counter.__enter__()
         self._threads = ThreadWatch(self._counter)
         self._active = True

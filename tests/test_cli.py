@@ -373,3 +373,23 @@ def test_run_rejects_bad_table_options(
         main(["run", *option, str(script)])
     assert exited.value.code == 2
     assert option[0] in capsys.readouterr().err
+
+
+def test_the_oom_sample_dies_with_a_post_mortem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "oom.json"
+    code = main(["run", "--json", str(out_json), str(SAMPLES / "train_oom.py")])
+    captured = capsys.readouterr()
+    assert code == 1  # the script's own failure, as python would exit
+    assert "DefaultCPUAllocator: can't allocate memory" in captured.err
+    if sys.version_info >= (3, 11):  # the note, printed with the traceback
+        assert "memsentry: out of memory in the forward of `0` (iteration 3) asking for " \
+            "32 GiB" in captured.err
+    assert "Out of memory: RuntimeError in the forward of `0` (iteration 3, batch 4194304)" \
+        in captured.out
+    oom = Report.from_json(out_json).oom
+    assert oom is not None and oom.batch == 4194304
+    (fix,) = [f for f in oom.fixes if f.kind == "batch"]
+    assert fix.batch is not None and 256 < fix.batch < 4194304
+    assert "the iterations before ran batches of 256" in fix.text

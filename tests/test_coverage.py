@@ -11,6 +11,8 @@ from torch import nn
 import memsentry
 import memsentry.record.coverage as coverage_module
 
+pytestmark = pytest.mark.in_turn  # these tests keep the timing of measuring
+
 
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)

@@ -657,3 +657,24 @@ def test_exact_mode_sees_a_temporary_inside_a_layer(device: str) -> None:
     # The parent saw its child's peak.
     assert report.layer("Sequential").forward_peak >= 4 * MiB
     assert max(it.peak - it.allocated for it in report.iterations) >= 4 * MiB
+
+
+def test_an_optimizer_subclass_calling_super_step_makes_one_iteration_a_step() -> None:
+    # PyTorch runs the step hooks of the subclass's step and of Adam's: one step, not two.
+    class ClippedAdam(torch.optim.Adam):
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            torch.nn.utils.clip_grad_norm_(
+                [p for group in self.param_groups for p in group["params"]], 1.0)
+            return super().step(closure)
+
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])  # Adam's own step is hooked too
+    model = nn.Linear(4, 4)
+    optimizer = ClippedAdam(model.parameters())
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(5):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    its = t.report().iterations
+    assert [(it.index, it.boundary, it.forward_calls) for it in its] == [
+        (i, "optimizer", 1) for i in range(5)]

@@ -8,7 +8,9 @@ Nothing here keeps a module or a tensor alive, and nothing changes what the mode
 from __future__ import annotations
 
 import gc
+import sys
 import time
+import types
 import weakref
 from dataclasses import asdict
 from typing import Any
@@ -19,6 +21,7 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
+from torch.optim import optimizer as optimizer_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memsentry.measure import (
@@ -52,6 +55,25 @@ def read_counters(backend: MemoryBackend) -> Counters:
     if backend.device.type == "cuda":
         nvml = asdict(nvml_query(backend.device.index or 0))
     return backend.stats(), nvml
+
+
+_STEP_WRAPPER = optimizer_module.__file__
+
+
+def nested_step(optimizer: torch.optim.Optimizer, frames: int = 40) -> bool:
+    """Whether this step of ``optimizer`` runs inside another step of it: a subclass whose
+    ``step`` calls ``super().step()`` runs PyTorch's step hooks once for each (one step)."""
+    frame: types.FrameType | None = sys._getframe(2)
+    seen = 0
+    while frame is not None and frames:
+        code = frame.f_code
+        if code.co_name == "wrapper" and code.co_filename == _STEP_WRAPPER \
+                and frame.f_locals.get("self") is optimizer:
+            seen += 1
+            if seen > 1:
+                return True
+        frame, frames = frame.f_back, frames - 1
+    return False
 
 
 def part_roots(model_ref: weakref.ref[nn.Module] | None, registry: LayerRegistry,
@@ -191,7 +213,7 @@ class Recorder:
 
     # -- iterations ------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active:
+        if not self.active or nested_step(optimizer):
             return
         if self._primary_optimizer is None or self._primary_optimizer() is None:
             self._primary_optimizer = weakref.ref(optimizer)
