@@ -165,7 +165,7 @@ class Tracker:
         text = "\n".join(lines)
         if self._options.on_leak == "raise" and not raising:
             raise LeakError(text, leaks)
-        warnings.warn(LeakWarning(text), stacklevel=4)
+        warnings.warn(LeakWarning(text), stacklevel=5)  # the user's with-block or stop()
 
     def step(self) -> None:
         """Mark the end of an iteration (for loops without an optimizer, or to choose the point).

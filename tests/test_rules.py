@@ -163,7 +163,7 @@ def _leaky_block(on_leak: str) -> None:
 
 
 def test_on_leak_warn_is_the_default_and_names_the_rule() -> None:
-    with pytest.warns(memsentry.LeakWarning, match="tensor-accumulation: `kept`"):
+    with pytest.warns(memsentry.LeakWarning, match="tensor-accumulation: `kept`") as caught:
         kept: list[torch.Tensor] = []
         model = nn.Linear(8, 8)
         with memsentry.track(model) as t:
@@ -171,6 +171,8 @@ def test_on_leak_warn_is_the_default_and_names_the_rule() -> None:
                 model(torch.randn(4, 8))
                 kept.append(torch.ones(MiB // 4))
                 t.step()
+    # The warning points at the user's with-block, not at memsentry's code.
+    assert {w.filename for w in caught} == {__file__}
 
 
 def test_on_leak_raise_raises_leak_error_with_the_findings() -> None:

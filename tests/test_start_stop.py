@@ -116,8 +116,9 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
     assert tracker.active
     history: list[torch.Tensor] = []
     _fit(model, 7, history)
-    with pytest.warns(LeakWarning, match="tensor-accumulation"):
+    with pytest.warns(LeakWarning, match="tensor-accumulation") as caught:
         first = tracker.stop()
+    assert {w.filename for w in caught} == {__file__}  # the line that called stop()
     assert isinstance(first, Report) and not tracker.active
     assert [f.rule for f in first.findings] == ["tensor-accumulation"]
     with warnings.catch_warnings():

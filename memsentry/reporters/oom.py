@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from memsentry.model import CATEGORIES, FixKind, OutOfMemory
+from memsentry.model import CATEGORIES, OutOfMemory
 from memsentry.units import format_bytes
 
 _NAMES = {"optimizer_state": "optimizer state"}
@@ -54,8 +54,7 @@ def render_oom(oom: OutOfMemory, *, width: int = 100) -> str:
         lines.append("  largest activations: " + ", ".join(
             f"`{entry.layer}` {format_bytes(entry.bytes)}" for entry in oom.largest))
     for fix in oom.fixes:
-        label = "batch" if fix.kind is FixKind.REQUEST else str(fix.kind)
-        lines.append(textwrap.fill(f"  fix ({label}): {fix.text}", width,
+        lines.append(textwrap.fill(f"  fix ({fix.kind}): {fix.text}", width,
                                    subsequent_indent="    "))
     return "\n".join(lines)
 

@@ -111,9 +111,9 @@ def fixes(report: ReportData, oom: OutOfMemory, largest: tuple[LayerBytes, ...]
         found.append(request)  # larger than the device alone: perhaps not the batch at all
     for entry in largest[:2]:
         found.append(OomFix(FixKind.CHECKPOINT, (
-            f"checkpoint `{entry.layer}` (torch.utils.checkpoint.checkpoint): it saves "
-            f"{format_bytes(entry.bytes)} for backward; checkpointed, it keeps its input and "
-            "recomputes the rest in the backward"), saves=entry.bytes))
+            f"checkpoint `{entry.layer}` (torch.utils.checkpoint.checkpoint): its largest "
+            f"call measured saved {format_bytes(entry.bytes)} for backward; checkpointed, it "
+            "keeps its input and recomputes the rest in the backward"), saves=entry.bytes))
     activations, _batch = _activations(report, oom)
     if activations:
         found.append(OomFix(FixKind.AUTOCAST, (
