@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from memsentry.model import ReportData
+from memsentry.model import Forecast, ReportData
 from memsentry.reporters.text import TextReporter
+from memsentry.rules.forecast import forecast, max_batch
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,17 @@ class Report(ReportData):
         terminal width the table is fitted to. ``None`` turns a limit off.
         """
         return TextReporter(max_depth=max_depth, top=top, width=width).text(self)
+
+    def forecast(self, batch: int) -> Forecast:
+        """The peak predicted at batch size ``batch`` (bytes, on the iterations table's
+        scale), with what it rests on: fitted to the peaks of two or more batch sizes the run
+        measured, or from the activations per sample at one. ``str()`` of it explains it."""
+        return forecast(self, batch)
+
+    def max_batch(self, memory: int | str) -> int:
+        """The largest batch size whose forecast peak fits in ``memory`` (bytes, or a size
+        such as ``"80 GiB"``); 0 when not even the part that does not scale fits."""
+        return max_batch(self, memory)
 
     def __str__(self) -> str:
         return self.format()

@@ -6,13 +6,16 @@ import argparse
 import os
 import runpy
 import sys
+import textwrap
 import traceback
 from typing import TYPE_CHECKING
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.errors import MemsentryError
+from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
+    from memsentry.report import Report
     from memsentry.tracker import Tracker
 
 
@@ -25,6 +28,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="exact peaks (CPU: count every storage, ~1.15x slower; CUDA: "
                              "resets the allocator's peak counter)")
+    parser.add_argument("--fit", metavar="SIZE",
+                        help="also say the largest batch whose forecast peak fits in SIZE "
+                             "(e.g. 80GiB), from the batch sizes the run measured")
     add_table_options(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run SCRIPT as a module name, like python -m")
@@ -94,11 +100,28 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"no module named {args.script!r} (-m takes a module name, as python -m)"
     elif not os.path.isfile(args.script):
         return f"no such script: {args.script!r}"
+    if args.fit is not None:
+        try:
+            if parse_size(args.fit) <= 0:
+                return f"--fit {args.fit!r}: give a positive size, e.g. 80GiB"
+        except ValueError as error:
+            return f"--fit: {error}"
     for option, path in (("-o", args.output), ("--json", args.json)):
         problem = _unwritable(path) if path else None
         if problem is not None:
             return f"{option}: {problem}"
     return None
+
+
+def fit_text(report: Report, size: str, width: int) -> str:
+    """What ``--fit SIZE`` adds to the report: the largest batch that fits, and why."""
+    try:
+        fits = report.max_batch(size)
+        biggest = report.forecast(max(fits, 1))
+    except ValueError as error:
+        return textwrap.fill(f"Batch that fits {size}: {error}", width)
+    lines = [f"Batch that fits {size}: {fits:,}", textwrap.fill(str(biggest), width)]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = tracker.report()
     text = report.format(max_depth=args.depth, top=args.top, width=args.width)
+    if args.fit is not None:
+        text += "\n\n" + fit_text(report, args.fit, args.width)
     sys.stdout.flush()
     banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"
     if args.output:

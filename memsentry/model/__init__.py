@@ -7,6 +7,7 @@ read them, the reporters format them. Every value round-trips through a plain di
 
 from memsentry.model.breakdown import CATEGORIES, Breakdown, Breakdowns
 from memsentry.model.findings import Finding, Location, Subject
+from memsentry.model.forecast import Forecast, ForecastPoint
 from memsentry.model.holders import (
     Census,
     GarbageStats,
@@ -21,6 +22,7 @@ from memsentry.model.holders import (
 from memsentry.model.kinds import (
     Boundary,
     FixKind,
+    ForecastMethod,
     HolderKind,
     Measured,
     PeakMode,
@@ -43,6 +45,9 @@ __all__ = [
     "Census",
     "Finding",
     "FixKind",
+    "Forecast",
+    "ForecastMethod",
+    "ForecastPoint",
     "GarbageStats",
     "HeldTensor",
     "HolderKind",

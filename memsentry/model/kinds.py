@@ -51,6 +51,13 @@ class FixKind(_Text):
     REQUEST = "request"
 
 
+class ForecastMethod(_Text):
+    """Where a forecast's line comes from."""
+
+    BATCHES = "the peaks measured"
+    ACTIVATIONS = "the activations per sample measured"
+
+
 class PeakMode(_Text):
     """How peaks were measured: at sample points (a lower bound) or counting every allocation."""
 
@@ -111,5 +118,5 @@ class SubjectKind(_Text):
     LOOP = "loop"
 
 
-__all__ = ["Boundary", "FixKind", "HolderKind", "Measured", "PeakMode", "Phase", "ScopeKind",
-           "Severity", "StepKind", "SubjectKind"]
+__all__ = ["Boundary", "FixKind", "ForecastMethod", "HolderKind", "Measured", "PeakMode", "Phase",
+           "ScopeKind", "Severity", "StepKind", "SubjectKind"]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import collections
-
 from memsentry.model import Finding, ReportData, Severity
 from memsentry.rules.device import device_subject, is_cuda
+from memsentry.rules.forecast import peak_line
 from memsentry.rules.registry import rule
 from memsentry.rules.series import after_warmup
 from memsentry.units import format_bytes
@@ -28,21 +27,18 @@ def memory_headroom(report: ReportData) -> list[Finding]:
     peak = max(it.peak for it in its)
     if peak >= HEADROOM_SHARE * total:
         return []
-    resident = min(it.allocated for it in its)
-    batches = collections.Counter(it.batch for it in its if it.batch)
     message = (
         f"the peak, {format_bytes(peak)}, uses {peak / total:.0%} of {report.device}'s "
         f"{format_bytes(total)}"
     )
-    activations = peak - resident
-    if batches and activations > 0:
-        batch = batches.most_common(1)[0][0]
-        per_sample = activations / batch
-        fits = int((TARGET_SHARE * total - resident) / per_sample)
+    line = peak_line(report)  # the arithmetic of report.max_batch()
+    if line is not None:
+        fits = int((TARGET_SHARE * total - line.fixed) // line.per_sample)
+        measured = ", ".join(str(p.batch) for p in line.points)
         message += (
-            f"; with {format_bytes(resident)} resident and {format_bytes(round(per_sample))} "
-            f"of activations per sample (batch {batch}), a batch of about {fits:,} would fit "
-            f"in {TARGET_SHARE:.0%} of it"
+            f"; with {format_bytes(round(line.fixed))} that does not grow with the batch and "
+            f"{format_bytes(round(line.per_sample))} per sample (from {line.method} at "
+            f"batch {measured}), a batch of about {fits:,} would fit in {TARGET_SHARE:.0%} of it"
         )
     fix = (
         "raise the batch size (and scale the learning rate), train a larger model, or share "
