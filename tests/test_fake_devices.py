@@ -134,7 +134,10 @@ class FakeCachingAllocator:
             segment = 2 * MiB if pool == "small" else (
                 20 * MiB if size <= 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
             if self.reserved + segment > self.total:
-                raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {size / MiB:.2f} MiB. GPU 0 has a "
+                    f"total capacity of {self.total / 1024 / MiB:.2f} GiB of which "
+                    f"{(self.total - self.reserved) / MiB:.2f} MiB is free.")
             self.reserved += segment
             self.cached[pool] += segment
         self.cached[pool] -= size
@@ -225,3 +228,48 @@ def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None
     assert "3.0 MiB/iter on cuda:0" in rules["memory-growth"].message
     assert rules["memory-headroom"].severity is memsentry.Severity.HINT
     assert report.nvml is not None and report.nvml["available"] is False
+
+
+def test_an_out_of_memory_error_on_cuda_is_explained_with_the_allocator_figures(
+        cuda: FakeCachingAllocator) -> None:
+    """A layer's forward asks the allocator for more than the device has left, as a batch
+    too large would: the post-mortem reads the allocator's figures at that moment, the size
+    from CUDA's message, and works out the batch that fits in the device's memory."""
+
+    class Wide(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            # 16 MiB of activations at batch 8 (2 MiB a sample), kept until the backward;
+            # the fourth call asks for a batch's worth 8,000 times too large.
+            size = 16 * MiB if self.calls < 4 else 8000 * 16 * MiB
+            block = cuda.malloc(size)
+            x = x * 1.0
+            x.register_hook(lambda grad: cuda.free(block))
+            return x
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Wide(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+            for _ in range(6):
+                model(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert str(caught.value).startswith("CUDA out of memory. Tried to allocate 128000.00 MiB")
+    oom = t.report().oom
+    assert oom is not None
+    assert (oom.phase, oom.layer, oom.iteration, oom.batch) == ("forward", "1", 3, 8)
+    assert oom.requested_bytes == 128000 * MiB
+    assert oom.capacity == cuda.total
+    # The allocator's figure when the error was caught: nothing of this step's 16 MiB yet.
+    assert oom.breakdown.total == cuda.allocated
+    (fix,) = [f for f in oom.fixes if f.kind == "batch"]
+    # What does not scale (the breakdown's total less activations) plus, per sample, the
+    # request's share: 16,000 MiB a sample against 80 GiB.
+    per_sample = oom.breakdown.activations / 8 + 128000 * MiB / 8
+    fixed = oom.breakdown.total - oom.breakdown.activations
+    assert fix.batch == int((cuda.total - fixed) // per_sample) == 5
