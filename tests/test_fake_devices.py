@@ -6,6 +6,7 @@ against a fake accelerator."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from conftest import make_mlp
 import memsentry
 from memsentry.measure import AcceleratorBackend, CudaBackend, make_backend, parse_device
 from memsentry.measure.accelerator import accelerator_type
+from memsentry.measure.cuda import OOM_OBSERVER
 from memsentry.measure.devices import supported_device_types
 
 MiB = 1 << 20
@@ -126,6 +128,7 @@ class FakeCachingAllocator:
         self.allocated = self.reserved = self.peak = 0
         self.cached = {"small": 0, "large": 0}
         self.resets = 0
+        self.observers: list[Callable[[int, int, int, int], None]] = []
 
     def malloc(self, size: int) -> int:
         size = -(-size // 512) * 512
@@ -134,6 +137,8 @@ class FakeCachingAllocator:
             segment = 2 * MiB if pool == "small" else (
                 20 * MiB if size <= 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
             if self.reserved + segment > self.total:
+                for observer in self.observers:  # as the allocator does before raising
+                    observer(0, size, self.allocated, self.total - self.reserved)
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate {size / MiB:.2f} MiB. GPU 0 has a "
                     f"total capacity of {self.total / 1024 / MiB:.2f} GiB of which "
@@ -174,6 +179,9 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_memoryStats", fake.nested, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
+                        fake.observers.append, raising=False)
+    monkeypatch.setattr(OOM_OBSERVER, "attached", False)  # attach to this fake
     return fake
 
 
@@ -263,8 +271,10 @@ def test_an_out_of_memory_error_on_cuda_is_explained_with_the_allocator_figures(
     oom = t.report().oom
     assert oom is not None
     assert (oom.phase, oom.layer, oom.iteration, oom.batch) == ("forward", "1", 3, 8)
-    assert oom.requested_bytes == 128000 * MiB
+    assert oom.requested_bytes == 128000 * MiB  # the observer's figure, exact
     assert oom.capacity == cuda.total
+    assert oom.device_free == cuda.total - cuda.reserved
+    assert "free on the device when it gave up" in str(t.report())
     # The allocator's figure when the error was caught: nothing of this step's 16 MiB yet.
     assert oom.breakdown.total == cuda.allocated
     (fix,) = [f for f in oom.fixes if f.kind == "batch"]

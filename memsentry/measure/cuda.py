@@ -14,12 +14,54 @@ since memsentry's last sample.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from memsentry.measure.base import IntervalPeak
 from memsentry.model import Measured, PeakMode
+
+
+@dataclass(frozen=True)
+class AllocatorOom:
+    """What the caching allocator's out-of-memory observer told: the device, the size it
+    could not allocate, what it had allocated and what the device had free then."""
+
+    device: int
+    requested: int
+    allocated: int
+    free: int
+
+
+class _OomObserver:
+    """The caching allocator's out-of-memory observer (``torch._C.
+    _cuda_attach_out_of_memory_observer``), attached once per process (torch has no way to
+    detach one): it keeps the last event, numbered, and nothing else."""
+
+    def __init__(self) -> None:
+        self.attached = False
+        self.count = 0
+        self.last: AllocatorOom | None = None
+
+    def attach(self) -> None:
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if self.attached or not callable(attach):
+            return
+        try:
+            attach(self._observed)
+        except (RuntimeError, TypeError):  # a torch that refuses: messages still give sizes
+            return
+        self.attached = True
+
+    def _observed(self, device: int, alloc: int, device_allocated: int,
+                  device_free: int) -> None:
+        self.count += 1
+        self.last = AllocatorOom(int(device), int(alloc), int(device_allocated),
+                                 int(device_free))
+
+
+OOM_OBSERVER = _OomObserver()
 
 
 class CudaBackend:
@@ -91,7 +133,16 @@ class CudaBackend:
         return torch.cuda.memory_summary(self._index, abbreviated=True)
 
     def start(self) -> None:
-        return None
+        OOM_OBSERVER.attach()
+        self._oom_seen = OOM_OBSERVER.count
+
+    def oom(self) -> AllocatorOom | None:
+        """The allocator's last out-of-memory event on this device since :meth:`start`."""
+        event = OOM_OBSERVER.last
+        if OOM_OBSERVER.count == getattr(self, "_oom_seen", OOM_OBSERVER.count) \
+                or event is None or event.device != self._index:
+            return None
+        return event
 
     def stop(self) -> None:
         return None

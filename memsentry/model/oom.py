@@ -43,6 +43,8 @@ class OutOfMemory:
     - ``batch``: the batch size of the running iteration, when known.
     - ``largest``: the layers with the most activations saved for backward.
     - ``fixes``: changes that would have made it fit, with their arithmetic.
+    - ``device_free``: on CUDA, the device's free memory when the caching allocator gave up,
+      from its out-of-memory observer (which also gives ``requested_bytes`` exactly).
     """
 
     error: str
@@ -56,6 +58,7 @@ class OutOfMemory:
     batch: int | None = None
     largest: tuple[LayerBytes, ...] = ()
     fixes: tuple[OomFix, ...] = ()
+    device_free: int | None = None
 
     @property
     def where(self) -> str:

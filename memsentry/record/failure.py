@@ -15,6 +15,7 @@ from types import TracebackType
 
 import torch
 
+from memsentry.measure.cuda import CudaBackend
 from memsentry.model import Breakdown, OutOfMemory, Phase
 from memsentry.record.sampler import Moment, Sampler, with_outside
 from memsentry.record.timeline import IterationClock
@@ -114,10 +115,14 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
     parts = Breakdown.of(with_outside(sampler, total), parameters=params, gradients=grads,
                          optimizer_state=state, activations=saved, phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
+    requested = requested_bytes(str(error))
+    observed = backend.oom() if isinstance(backend, CudaBackend) else None
     return OutOfMemory(
         error=type(error).__name__, message=(lines[0] if lines else "")[:500], phase=phase,
-        layer=layer, iteration=clock.index, requested_bytes=requested_bytes(str(error)),
+        layer=layer, iteration=clock.index,
+        requested_bytes=observed.requested if observed is not None else requested,
         breakdown=parts, capacity=backend.total_memory(), batch=clock.batch,
+        device_free=observed.free if observed is not None else None,
     )
 
 

@@ -48,6 +48,9 @@ def render_oom(oom: OutOfMemory, *, width: int = 100) -> str:
         f"Out of memory: {oom.error} in the {oom.where} (iteration {oom.iteration}"
         + (f", batch {oom.batch}" if oom.batch else "") + f"){_asked(oom)}", width)]
     lines.append(textwrap.fill(f"  held then: {_held(oom)}", width, subsequent_indent="    "))
+    if oom.device_free is not None:
+        lines.append(f"  the allocator's observer: {format_bytes(oom.device_free)} free on the "
+                     "device when it gave up")
     if oom.message:
         lines.append(textwrap.fill(f"  error: {oom.message}", width, subsequent_indent="    "))
     if oom.largest:
