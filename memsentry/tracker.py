@@ -8,6 +8,7 @@ The public face of the pipeline: a :class:`~memsentry.record.Recorder` records, 
 from __future__ import annotations
 
 import enum
+import json
 import sys
 import warnings
 from dataclasses import replace
@@ -19,10 +20,12 @@ from torch import nn
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
+from memsentry.record.ranks import RankInfo, rank_info, share
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
 from memsentry.rules.oom import explain_oom
+from memsentry.rules.ranks import combine
 
 
 class _State(enum.Enum):
@@ -69,6 +72,7 @@ class Tracker:
         holders: bool = True,
         holder_budget: float = 0.5,
         overhead: float | None = OVERHEAD,
+        gather_timeout: float = 60.0,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -78,10 +82,12 @@ class Tracker:
         self._options = Options.checked(
             device=device, exact=exact, saved_tensors=saved_tensors, backward=backward,
             max_iterations=max_iterations, on_leak=on_leak, holders=holders,
-            holder_budget=holder_budget, overhead=overhead,
+            holder_budget=holder_budget, overhead=overhead, gather_timeout=gather_timeout,
         )
         self._recorder = Recorder(model, self._options)
         self._state = _State.NEW
+        self._rank: RankInfo | None = None
+        self._combined: Report | None = None  # rank 0's, once every rank handed its in
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> Tracker:
@@ -153,18 +159,39 @@ class Tracker:
     def _finish(self, *, raising: bool) -> None:
         self._state = _State.STOPPED
         self._recorder.stop()
+        self._gather()
         if self._options.on_leak != "ignore":
             self._signal_leaks(raising=raising)
+
+    def _gather(self) -> None:
+        """In a process group: hand this rank's report to rank 0, which combines them (no
+        collective: see :mod:`memsentry.record.ranks`). Never fails the user's run."""
+        self._rank = rank_info() or self._rank
+        if self._rank is None or self._rank.world_size < 2:
+            return
+        try:
+            own = self.report()
+            found = share(self._rank, own.to_json(indent=0), self._options.gather_timeout)
+            if found is not None:
+                reports = [own, *(None if text is None else ReportData.from_dict(
+                    json.loads(text)) for text in found[1:])]
+                self._combined = Report.from_data(
+                    combine(reports, self._options.gather_timeout))
+        except Exception:  # a broken store or a bad payload: each rank keeps its own report
+            self._combined = None
 
     def _signal_leaks(self, *, raising: bool) -> None:
         leaks = tuple(f for f in self.report().findings if f.severity is Severity.LEAK)
         if not leaks:
             return
         lines = [f"memsentry found {len(leaks)} leak(s):"]
-        lines += [f"  {f.rule}: {f.message}. Fix: {f.fix}" for f in leaks]
+        lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: {f.message}. "
+                  f"Fix: {f.fix}" for f in leaks]
         text = "\n".join(lines)
         if self._options.on_leak == "raise" and not raising:
             raise LeakError(text, leaks)
+        if self._rank is not None and self._rank.rank != 0 and self._rank.world_size > 1:
+            return  # warnings come from rank 0, whose report has every rank's findings
         warnings.warn(LeakWarning(text), stacklevel=5)  # the user's with-block or stop()
 
     def step(self) -> None:
@@ -193,9 +220,17 @@ class Tracker:
     def report(self) -> Report:
         """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with
         the rules' findings."""
+        if self._combined is not None:
+            return self._combined
         recording: ReportData = self._recorder.recording()
         report = Report.from_data(recording)
-        return replace(report, findings=analyse(report), oom=explain_oom(report))
+        if self._rank is None and self._state is _State.ACTIVE:
+            self._rank = rank_info()
+        where = self._rank
+        return replace(report, findings=analyse(report), oom=explain_oom(report),
+                       rank=where.rank if where else None,
+                       world_size=where.world_size if where else None,
+                       host=where.host if where else None)
 
 
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.

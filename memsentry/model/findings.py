@@ -29,7 +29,9 @@ class Finding:
     ``rule`` is the stable id of the rule; ``message`` and ``fix`` are for people; ``bytes``,
     ``rate`` (bytes per iteration) and ``objects`` (the tensors, graph nodes, hooks or calls
     seen) are the evidence, and every finding has bytes or objects above zero; ``subject`` is
-    what the finding is about and ``location`` the line to change, when known.
+    what the finding is about and ``location`` the line to change, when known. ``rank`` is
+    the process (``torch.distributed`` rank) whose run it is about, in a report of a process
+    group (``None`` outside one).
     """
 
     rule: str
@@ -41,6 +43,7 @@ class Finding:
     objects: int | None = None
     subject: Subject | None = None
     location: Location | None = None
+    rank: int | None = None
 
     @property
     def where(self) -> str | None:

@@ -36,7 +36,11 @@ class ReportData:
     the driver's view of a CUDA device (used, total, this process, utilisation) or why it is
     unavailable. ``censuses`` are the holder searches made at iteration boundaries;
     ``unused_graphs`` the forward calls whose autograd graph no backward used. ``oom`` is the
-    out-of-memory error that ended the block, explained (``None`` when none did).
+    out-of-memory error that ended the block, explained (``None`` when none did). In a
+    ``torch.distributed`` process group, ``rank``, ``world_size`` and ``host`` say whose run
+    it is (``None`` outside one), and rank 0's report combines every rank's: ``ranks`` holds
+    the per-rank reports in rank order (those that reported) and ``findings`` all of theirs,
+    each with its ``rank``.
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -61,6 +65,10 @@ class ReportData:
     censuses: tuple[Census, ...] = ()
     unused_graphs: tuple[UnusedGraph, ...] = ()
     oom: OutOfMemory | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    host: str | None = None
+    ranks: tuple[ReportData, ...] = ()
 
     @property
     def breakdown(self) -> Breakdowns:

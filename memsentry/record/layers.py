@@ -120,6 +120,9 @@ def _param_bytes(module: nn.Module) -> int | None:
     return storage_bytes(parameters)
 
 
+#: Wrappers that run the user's model as their ``module`` (layers are named without it).
+DATA_PARALLEL = frozenset({"DistributedDataParallel", "DataParallel"})
+
 #: Where torch.compile's ``OptimizedModule`` keeps the module it compiled.
 COMPILED_ATTRIBUTE = "_orig_mod"
 
@@ -179,10 +182,17 @@ class LayerRegistry:
         hook at the root's first call): FSDP2's hook swaps a module's sharded parameters
         (DTensors, counted by their local shard) for unsharded ones for its forward."""
         compiled = compiled_original(root)
+        wrapped = type(root).__name__ in DATA_PARALLEL and isinstance(
+            getattr(root, "module", None), nn.Module)
         for qualified, module in root.named_modules():
             if module in self._names:
                 continue
-            if compiled is not None:  # torch.compile's wrapper: name the user's modules
+            if wrapped:  # DDP's wrapper: the user's modules keep the names of their model
+                if qualified == "module":
+                    qualified = type(root.module).__name__
+                elif qualified:
+                    qualified = qualified.removeprefix("module.")
+            elif compiled is not None:  # torch.compile's wrapper: name the user's modules
                 if not qualified:
                     qualified = f"{type(compiled).__name__} (compiled)"
                 elif qualified == COMPILED_ATTRIBUTE:

@@ -27,12 +27,13 @@ class Options:
     holders: bool = True
     holder_budget: float = 0.5
     overhead: float | None = OVERHEAD
+    gather_timeout: float = 60.0
 
     @classmethod
     def checked(cls, *, device: torch.device | str | int | None, exact: object,
                 saved_tensors: object, backward: object, max_iterations: object,
                 on_leak: object, holders: object, holder_budget: object,
-                overhead: object = OVERHEAD) -> Options:
+                overhead: object = OVERHEAD, gather_timeout: object = 60.0) -> Options:
         """Options from ``track()``'s arguments; a bad one raises an error naming it and what
         it accepts."""
         flags = {"exact": exact, "saved_tensors": saved_tensors, "backward": backward,
@@ -59,6 +60,12 @@ class Options:
                 "measuring layers, a number above 0 (default 0.03, i.e. 3%), or None to measure "
                 f"every call whatever it costs; got {overhead!r}"
             )
+        if isinstance(gather_timeout, bool) or not isinstance(gather_timeout, int | float) \
+                or not gather_timeout > 0:
+            raise ValueError(
+                "track(gather_timeout=...) is the seconds rank 0 waits for the other ranks' "
+                f"reports at the end, a number above 0 (default 60), got {gather_timeout!r}"
+            )
         if on_leak not in ON_LEAK:
             raise ValueError(
                 f"track(on_leak={on_leak!r}): use one of {', '.join(map(repr, ON_LEAK))}"
@@ -69,4 +76,5 @@ class Options:
             max_iterations=max_iterations, on_leak=on_leak,
             holders=bool(holders), holder_budget=float(holder_budget),
             overhead=None if overhead is None else float(overhead),
+            gather_timeout=float(gather_timeout),
         )

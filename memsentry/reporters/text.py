@@ -20,6 +20,7 @@ from memsentry.model import (
 )
 from memsentry.reporters.breakdown import layer_share, render_breakdown
 from memsentry.reporters.oom import render_oom
+from memsentry.reporters.ranks import rank_line, render_ranks
 from memsentry.units import format_bytes
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
@@ -175,7 +176,8 @@ def render_findings(report: ReportData, *, width: int = 100) -> str:
         shown = finding.where and finding.where not in finding.message
         where = f" [{finding.where}]" if shown else ""
         severity = str(finding.severity).upper()
-        head = f"  {severity:5} {finding.rule}{where}: {finding.message}"
+        rank = "" if finding.rank is None else f"rank {finding.rank}: "
+        head = f"  {severity:5} {rank}{finding.rule}{where}: {finding.message}"
         lines.append(textwrap.fill(head, width, subsequent_indent="        "))
         lines.append(textwrap.fill(f"        fix: {finding.fix}", width,
                                    subsequent_indent="             "))
@@ -183,7 +185,9 @@ def render_findings(report: ReportData, *, width: int = 100) -> str:
 
 
 def render_header(report: ReportData) -> str:
-    parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"]
+    where = rank_line(report)
+    parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"
+             + (f", {where}" if where else "")]
     figures = [f"at start {format_bytes(report.baseline)}"]
     if report.allocated is not None:
         change = format_bytes(report.allocated - report.baseline, signed=True)
@@ -215,6 +219,9 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
     sections = [render_header(report)]
     if report.oom is not None:
         sections.append(render_oom(report.oom, width=width))
+    ranks = render_ranks(report)
+    if ranks is not None:
+        sections.append(ranks)
     if report.findings:
         sections.append(render_findings(report, width=width))
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
