@@ -56,7 +56,9 @@ class Tracker:
     ``holders``: search for who holds tensors at iteration boundaries; ``holder_budget``: the
     seconds one search may take. ``overhead``: the share of the loop's time measuring layers
     may take (default 0.03); past it, layers are measured in turn, fewer each iteration, and
-    the report says so. ``None`` measures every call whatever it costs.
+    the report says so. ``None`` measures every call whatever it costs. ``gather_timeout``:
+    in a ``torch.distributed`` process group, the seconds rank 0 waits at the end for the
+    other ranks' reports, which its report then combines (no collective is involved).
     """
 
     def __init__(
@@ -216,6 +218,15 @@ class Tracker:
     def device(self) -> torch.device | None:
         """The device measured (``None`` until the first module call picks it)."""
         return self._recorder.device
+
+    def own_report(self) -> Report:
+        """This rank's own report, also on rank 0 of a process group (where :meth:`report`
+        combines every rank's)."""
+        combined, self._combined = self._combined, None
+        try:
+            return self.report()
+        finally:
+            self._combined = combined
 
     def report(self) -> Report:
         """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with

@@ -192,3 +192,51 @@ def test_a_rank_that_dies_costs_rank_0_the_timeout_and_is_named(folder: Path) ->
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+DDP_SCRIPT = """\
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
+optimizer = torch.optim.Adam(model.parameters())
+outputs = []
+for _step in range(20):
+    out = model(torch.randn(32, 64))
+    out.pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if rank == 1:
+        outputs.append(out)  # only rank 1 keeps its outputs, graphs and all
+dist.destroy_process_group()  # before memsentry's tracker ends: the store was remembered
+"""
+
+
+def test_memsentry_run_under_torchrun_prints_one_combined_report(tmp_path: Path) -> None:
+    script = tmp_path / "train_ddp.py"
+    script.write_text(DDP_SCRIPT, encoding="utf-8")
+    out_json = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [
+               str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "memsentry", "run", "--json", str(out_json), str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("memsentry report") == 1  # rank 0 prints, rank 1 says where its went
+    assert "memsentry: rank 1 of 2 handed its report to rank 0" in out
+    assert "Ranks (2 of 2 reported" in out
+    assert "rank 1: tensor-accumulation: `outputs`" in out
+    combined = memsentry.Report.from_json(out_json)
+    assert [r.rank for r in combined.ranks] == [0, 1]
+    assert {f.rank for f in combined.findings if f.severity == "leak"} == {1}
+    for rank in (0, 1):
+        own = memsentry.Report.from_json(tmp_path / f"r.rank{rank}.json")
+        assert (own.rank, own.world_size, own.ranks) == (rank, 2, ())

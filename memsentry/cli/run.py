@@ -144,6 +144,39 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = tracker.report()
+    if report.world_size is not None and report.world_size > 1:
+        return _rank_output(args, tracker, report, code)
+    return _output(args, report, code)
+
+
+def rank_file(path: str, rank: int) -> str:
+    """``r.rank1.json`` for rank 1 of ``--json r.json``."""
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}.rank{rank}.{suffix}" if dot and "/" not in suffix else f"{path}.rank{rank}"
+
+
+def _rank_output(args: argparse.Namespace, tracker: Tracker, report: Report, code: int) -> int:
+    """Under torchrun: rank 0 prints (and saves) the combined report; every rank saves its
+    own with ``--json`` (``FILE.rankN.json``); the other ranks print one line."""
+    rank = report.rank or 0
+    if args.json:
+        own = tracker.own_report()
+        try:
+            own.to_json(rank_file(args.json, rank))
+        except OSError as error:
+            fail("run", f"--json: could not write {rank_file(args.json, rank)!r} "
+                        f"({error.strerror})")
+            code = code or 2
+    if rank == 0:
+        return _output(args, report, code)
+    sys.stdout.flush()
+    saved = f"; its own is in {rank_file(args.json, rank)}" if args.json else ""
+    print(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, which "
+          f"prints the combined report{saved}")
+    return code
+
+
+def _output(args: argparse.Namespace, report: Report, code: int) -> int:
     text = report.format(max_depth=args.depth, top=args.top, width=args.width)
     if args.fit is not None:
         text += "\n\n" + fit_text(report, args.fit, args.width)

@@ -93,11 +93,12 @@ def _add(found: tuple[int, int, Any] | None, into: Keys, *taken: Keys) -> None:
 
 
 class Parts:
-    """The four parts now. ``roots()`` gives the modules whose parameters count (the tracked
-    model, or the outermost modules called); optimizers are added as they step."""
+    """The four parts now. The parameters that count are the tracked ``model``'s, or without
+    one those of the outermost modules called; optimizers are added as they step."""
 
-    def __init__(self, roots: Callable[[], Iterable[nn.Module]]) -> None:
-        self._roots = roots
+    def __init__(self, model: nn.Module | None) -> None:
+        self._model = weakref.ref(model) if model is not None else None
+        self._outermost: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._params: list[weakref.ref[torch.Tensor]] = []
         self.live = LiveSaved()
@@ -115,14 +116,32 @@ class Parts:
     def activations(self) -> int:
         return self.live.total
 
-    def begin(self, coverage: Coverage, root: LayerRecord | None) -> None:
-        """An iteration's first module call (after ``zero_grad()``), of the layer ``root``
-        (``None``: its first call): whether the iteration reads the parts (its outermost call
-        is measured), and if so the gradients left from the last one."""
+    def _roots(self) -> list[nn.Module]:
+        """The tracked model, or without one the outermost modules called so far."""
+        if self._model is not None:
+            model = self._model()
+            return [model] if model is not None else []
+        return list(self._outermost)
+
+    def begin(self, coverage: Coverage, module: nn.Module, root: LayerRecord | None, *,
+              first: bool) -> None:
+        """An outermost call of ``module``, whose layer is ``root`` (``None``: its first
+        call). Without a tracked model, a module new among the outermost ones brings its
+        parameters in. At the iteration's ``first`` call (after ``zero_grad()``): whether the
+        iteration reads the parts (its outermost call is measured), and if so the gradients
+        left from the last one."""
+        if self._model is None and module not in self._outermost:
+            self._outermost.add(module)
+            self._params = []  # read everything again, this module's parameters with it
+        if not first:
+            return
         self.due = root is None or coverage.measures(root.index)
         if self.due:
             started = time.perf_counter()
-            self.read_gradients()
+            if self._params:
+                self.read_gradients()
+            else:  # no parameters known yet (global hooks before the first call): all of it
+                self.read_all()
             coverage.count(started)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

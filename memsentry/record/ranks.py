@@ -49,6 +49,7 @@ def rank_info() -> RankInfo | None:
     dist = _dist()
     host = socket.gethostname()
     if dist is not None and dist.is_initialized():
+        remember_store()
         return RankInfo(dist.get_rank(), dist.get_world_size(), host)
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -57,14 +58,35 @@ def rank_info() -> RankInfo | None:
     return RankInfo(rank, world, host)
 
 
+class _Stores:
+    """The process group's store, remembered when first seen: a script may destroy its
+    process group before the tracked block ends (``memsentry run`` stops after the script),
+    and the store object stays usable while referenced."""
+
+    def __init__(self) -> None:
+        self.seen: Any = None
+
+    def current(self) -> Any:
+        dist = _dist()
+        if dist is not None and dist.is_initialized():
+            try:
+                self.seen = dist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError, ValueError):
+                pass
+        return self.seen
+
+
+STORES = _Stores()
+
+
+def remember_store() -> None:
+    """Note the process group's store, if there is one now (cheap: called every iteration)."""
+    if STORES.seen is None:
+        STORES.current()
+
+
 def _store() -> Any:
-    dist = _dist()
-    if dist is None or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
+    return STORES.current()
 
 
 def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | None:
@@ -96,4 +118,4 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
     return found
 
 
-__all__ = ["RankInfo", "rank_info", "share"]
+__all__ = ["STORES", "RankInfo", "rank_info", "remember_store", "share"]

@@ -40,6 +40,7 @@ from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
 from memsentry.record.parts import Parts
+from memsentry.record.ranks import remember_store
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import CensusSchedule, census_due
@@ -76,17 +77,6 @@ def nested_step(optimizer: torch.optim.Optimizer, frames: int = 40) -> bool:
     return False
 
 
-def part_roots(model_ref: weakref.ref[nn.Module] | None, registry: LayerRegistry,
-               anchors: set[int]) -> list[nn.Module]:
-    """The modules whose parameters count: the tracked model, or without one the outermost
-    modules called so far."""
-    model = model_ref() if model_ref is not None else None
-    if model is not None:
-        return [model]
-    modules = registry.by_index()
-    return [modules[i] for i in sorted(anchors) if i in modules]
-
-
 class Recorder:
     """Records memory per layer and per iteration between :meth:`start` and :meth:`stop`."""
 
@@ -101,8 +91,7 @@ class Recorder:
         self._clock = IterationClock()
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
-        self._parts = Parts(lambda: part_roots(self._model_ref, self._registry,
-                                               self._forward.anchors))
+        self._parts = Parts(model)
         self._sampler = Sampler(self._stack, running, self._parts)
         self._coverage = Coverage(options.overhead)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
@@ -168,9 +157,9 @@ class Recorder:
             self._teardown()
 
     def _set_active(self, active: bool) -> None:
-        self.active = self._forward.active = self._censuses.active = active
-        if self._backward is not None:
-            self._backward.active = active
+        for part in (self, self._forward, self._censuses, self._backward):
+            if part is not None:
+                part.active = active
 
     def _teardown(self) -> None:
         for handle in self._handles:
@@ -223,8 +212,7 @@ class Recorder:
         self._signal(Boundary.OPTIMIZER)
 
     def _backward_ended(self) -> None:
-        if self.active:
-            self._signal(Boundary.BACKWARD)
+        self._signal(Boundary.BACKWARD) if self.active else None
 
     def _outermost_call(self, module: nn.Module) -> None:
         """Before an outermost module call: the next call of the first outermost module
@@ -232,8 +220,8 @@ class Recorder:
         last boundary is taken, its time moved out of the iteration's data wait."""
         if self._signals.repeats_first_call(module):
             self._signal(Boundary.FORWARD)
-        if not self._clock.calls:  # the iteration's first call: after zero_grad()
-            self._parts.begin(self._coverage, self._registry.record_of(module))
+        self._parts.begin(self._coverage, module, self._registry.record_of(module),
+                          first=not self._clock.calls)  # the first: after zero_grad()
         if self._censuses.pending is not None:
             self._clock.started += self._censuses.take_pending(**self._census_roots())
 
@@ -286,6 +274,7 @@ class Recorder:
         if self.options.holders and boundary != Boundary.EXIT \
                 and census_due(self._clock.index):
             self._censuses.pending = self._clock.index
+        remember_store()  # a script may destroy its process group before the block ends
         self._coverage.end_iteration(self._clock.index, closing.seconds,
                                      len(self._registry.records))
         self._forward.follow_window()
