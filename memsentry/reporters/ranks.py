@@ -32,16 +32,20 @@ def render_ranks(report: ReportData) -> str | None:
     rows = []
     for each in report.ranks:
         change = None if each.allocated is None else each.allocated - each.baseline
+        parts = each.breakdown.peak
         rows.append([str(each.rank), each.host or "-", format_bytes(each.peak),
-                     format_bytes(change, signed=True), _findings(each)])
+                     format_bytes(change, signed=True),
+                     format_bytes(parts.parameters if parts else None),
+                     format_bytes(parts.activations if parts else None), _findings(each)])
     title = f"Ranks ({len(report.ranks)} of {report.world_size} reported"
     spread = peak_spread(report.ranks)
     if spread is not None and spread[0]:
         low, high = spread
         title += (f"; peaks from {format_bytes(low)} to {format_bytes(high)}, the highest "
                   f"{high / low - 1:+.0%} over the lowest")
-    table = tabulate(rows, headers=("rank", "host", "peak", "allocated change", "findings"),
-                     tablefmt="simple", disable_numparse=True)
+    headers = ("rank", "host", "peak", "allocated change", "parameters", "activations",
+               "findings")  # the two parts at each rank's own peak
+    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
     return f"{title})\n{table}"
 
 
