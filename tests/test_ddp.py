@@ -194,32 +194,15 @@ if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
 
 
-DDP_SCRIPT = """\
-import torch
-import torch.distributed as dist
-from torch import nn
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(
-    nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
-optimizer = torch.optim.Adam(model.parameters())
-outputs = []
-for _step in range(20):
-    out = model(torch.randn(32, 64))
-    out.pow(2).mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    if rank == 1:
-        outputs.append(out)  # only rank 1 keeps its outputs, graphs and all
-dist.destroy_process_group()  # before memsentry's tracker ends: the store was remembered
-"""
+#: The bundled sample: DDP on two CPU processes, only rank 1 keeps its outputs, and the
+#: script destroys its process group before memsentry's tracker ends.
+DDP_SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "train_ddp.py"
 
 
 def test_memsentry_run_under_torchrun_prints_one_combined_report(tmp_path: Path) -> None:
     script = tmp_path / "train_ddp.py"
-    script.write_text(DDP_SCRIPT, encoding="utf-8")
+    script.write_text(DDP_SAMPLE.read_text(encoding="utf-8"), encoding="utf-8")
+    assert "dist.destroy_process_group()" in script.read_text(encoding="utf-8")
     out_json = tmp_path / "r.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [
