@@ -20,7 +20,7 @@ from torch import nn
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
-from memsentry.record.ranks import RankInfo, rank_info, share
+from memsentry.record.ranks import RankInfo, begin_block, rank_info, share
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
@@ -101,6 +101,7 @@ class Tracker:
                 "for each run (each with-block, or each start()/stop() pair)"
             )
         self._state = _State.ACTIVE
+        begin_block()  # in a process group: tells rank 0 this rank tracks, once it can
         try:
             self._recorder.start()
         except BaseException:

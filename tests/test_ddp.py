@@ -43,6 +43,8 @@ def _train(scenario: str, tracked: bool) -> dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    if scenario == "rank0_only" and dist.get_rank() != 0:
+        tracked = False  # this rank runs untracked: rank 0 must not wait out the timeout
     tracker = memsentry.track(ddp, on_leak="ignore", gather_timeout=GATHER) if tracked else None
     losses = []
     error = None
@@ -74,6 +76,8 @@ def _train(scenario: str, tracked: bool) -> dict[str, Any]:
 
 def _summary(plain: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     report = run["report"]
+    if report is None:  # an untracked rank
+        return {"losses_equal": run["losses"] == plain["losses"], "untracked": True}
     return {
         "losses_equal": run["losses"] == plain["losses"],
         "parameters_equal": all(torch.equal(a, b) for a, b in
@@ -188,6 +192,16 @@ def test_a_rank_that_dies_costs_rank_0_the_timeout_and_is_named(folder: Path) ->
     assert any(note.startswith("rank 1 did not hand in a report within 8 s")
                for note in combined["notes"])
     assert GATHER - 1 < combined["seconds"] < GATHER + 20
+
+
+def test_tracking_on_rank_0_only_costs_it_a_grace_not_the_timeout(folder: Path) -> None:
+    ranks = run_ranks("rank0_only", 2, folder / "rank0_only")
+    assert ranks[1] is not None and ranks[1]["untracked"]
+    combined = ranks[0]
+    assert combined is not None and combined["ranks"] == [0]
+    assert any(note.startswith("rank 1 did not hand in a report") and "does not track" in note
+               for note in combined["notes"])
+    assert combined["seconds"] < GATHER  # the grace (2 s), not the 8 s timeout
 
 
 if __name__ == "__main__":

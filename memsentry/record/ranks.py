@@ -1,12 +1,14 @@
 """Runs in a ``torch.distributed`` process group: which rank this is, and handing each rank's
 report to rank 0 at the end.
 
-Nothing here is a collective. Each rank writes its report, as JSON, to the process group's
-own key-value store (the one ``init_process_group`` rendezvoused through) under a key for
-this tracked block, and only rank 0 reads: it waits for each other rank's key until one
-deadline, so a rank that left the block early, raised or died costs rank 0 the timeout at
-most and never hangs a rank. Ranks number their tracked blocks in the same order, so the
-n-th block of each rank meets the n-th of the others.
+Nothing here is a collective. Each rank says in the process group's own key-value store (the
+one ``init_process_group`` rendezvoused through) that it tracks the block, as soon as there
+is a store, and writes its report there, as JSON, at the end; only rank 0 reads. It waits for
+the reports of the ranks that said they track the block until one deadline, so a rank that
+left the block early, raised or died costs rank 0 the timeout at most and never hangs a rank,
+and a rank that tracks nothing (tracking on rank 0 only) costs it a grace of 2 seconds. Ranks
+number their tracked blocks in the same order, so the n-th block of each rank meets the n-th
+of the others.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ def rank_info() -> RankInfo | None:
     dist = _dist()
     host = socket.gethostname()
     if dist is not None and dist.is_initialized():
-        remember_store()
         return RankInfo(dist.get_rank(), dist.get_world_size(), host)
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -58,64 +59,105 @@ def rank_info() -> RankInfo | None:
     return RankInfo(rank, world, host)
 
 
-class _Stores:
-    """The process group's store, remembered when first seen: a script may destroy its
-    process group before the tracked block ends (``memsentry run`` stops after the script),
-    and the store object stays usable while referenced."""
+class _Handoff:
+    """The process group's store, remembered when first seen (a script may destroy its process
+    group before the tracked block ends, and the store object stays usable while referenced),
+    and the tracked block running: its number, and whether this rank told the store that it
+    tracks it (rank 0 waits only for ranks that did)."""
 
     def __init__(self) -> None:
-        self.seen: Any = None
+        self.store: Any = None
+        self.block: int | None = None
+        self.announced = False
 
     def current(self) -> Any:
         dist = _dist()
         if dist is not None and dist.is_initialized():
             try:
-                self.seen = dist.distributed_c10d._get_default_store()
+                self.store = dist.distributed_c10d._get_default_store()
             except (AttributeError, RuntimeError, ValueError):
                 pass
-        return self.seen
+        return self.store
+
+    def begin(self) -> None:
+        """A tracked block begins."""
+        self.block, self.announced = next(_blocks), False
+        self.announce()
+
+    def announce(self) -> None:
+        """Tell the store this rank tracks the running block, once the store exists."""
+        if self.announced or self.block is None:
+            return
+        store = self.store if self.store is not None else self.current()
+        info = rank_info()
+        if store is None or info is None:
+            return
+        try:
+            store.set(_key(self.block, info.rank, "tracking"), "1")
+            self.announced = True
+        except (RuntimeError, ValueError):
+            pass
 
 
-STORES = _Stores()
+def _key(block: int, rank: int, what: str) -> str:
+    return f"{PREFIX}/{block}/{rank}/{what}"
+
+
+HANDOFF = _Handoff()
+#: Seconds rank 0 gives a rank that has not said it tracks the block to say so.
+GRACE = 2.0
+
+
+def begin_block() -> None:
+    """A tracked block begins (``Tracker.start``)."""
+    HANDOFF.begin()
 
 
 def remember_store() -> None:
-    """Note the process group's store, if there is one now (cheap: called every iteration)."""
-    if STORES.seen is None:
-        STORES.current()
+    """Note the process group's store, and say this rank tracks the block, if there is a
+    process group now (cheap: called every iteration)."""
+    if not HANDOFF.announced:
+        HANDOFF.current()
+        HANDOFF.announce()
 
 
-def _store() -> Any:
-    return STORES.current()
+def _arrived(store: Any, key: str, seconds: float) -> bool:
+    try:
+        store.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except (RuntimeError, TimeoutError, ValueError):  # not written in time
+        return False
 
 
 def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | None:
     """Put this rank's ``payload`` where rank 0 reads it. On rank 0, every rank's payload in
-    rank order (``None`` for a rank that did not write within ``timeout`` seconds); on the
-    others, ``None``. Also ``None`` where the process group has no store to use."""
-    store = _store()
-    if store is None:
+    rank order (``None`` for a rank that did not write within ``timeout`` seconds, or that
+    does not track this block: one that has not said so within :data:`GRACE` seconds); on
+    the others, ``None``. Also ``None`` where the process group has no store to use."""
+    remember_store()
+    store, block = HANDOFF.store, HANDOFF.block
+    HANDOFF.block = None
+    if store is None or block is None:
         return None
-    block = next(_blocks)
-    key = f"{PREFIX}/{block}/{{}}"
-    store.set(key.format(info.rank), payload)
+    store.set(_key(block, info.rank, "report"), payload)
     if info.rank != 0:
         return None
     found: list[str | None] = [payload]
     deadline = time.monotonic() + timeout
     for rank in range(1, info.world_size):
-        left = max(0.0, deadline - time.monotonic())
-        try:
-            store.wait([key.format(rank)], datetime.timedelta(seconds=max(left, 0.001)))
-            found.append(store.get(key.format(rank)).decode("utf-8"))
-        except (RuntimeError, TimeoutError, ValueError):  # not written in time
-            found.append(None)
+        left = deadline - time.monotonic()
+        tracking = _arrived(store, _key(block, rank, "tracking"), min(GRACE, left))
+        report = _key(block, rank, "report")
+        found.append(store.get(report).decode("utf-8")
+                     if tracking and _arrived(store, report, left) else None)
     for rank in range(info.world_size):  # the store outlives the block: leave it clean
-        try:
-            store.delete_key(key.format(rank))
-        except (RuntimeError, AttributeError, ValueError):
-            pass
+        for what in ("tracking", "report"):
+            try:
+                store.delete_key(_key(block, rank, what))
+            except (RuntimeError, AttributeError, ValueError):
+                pass
     return found
 
 
-__all__ = ["STORES", "RankInfo", "rank_info", "remember_store", "share"]
+__all__ = ["GRACE", "HANDOFF", "RankInfo", "begin_block", "rank_info", "remember_store",
+           "share"]

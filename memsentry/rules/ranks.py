@@ -27,9 +27,9 @@ def combine(reports: Sequence[ReportData | None], timeout: float) -> ReportData:
         names = ", ".join(map(str, missing))
         notes.append(
             f"rank{'s' if len(missing) > 1 else ''} {names} did not hand in a report within "
-            f"{timeout:g} s of rank 0's end of tracking (it failed, left the block, or is still "
-            "running): its figures and findings are missing here; each rank's own report is "
-            "still what its tracker.report() returns")
+            f"{timeout:g} s of rank 0's end of tracking (it does not track this block, failed, "
+            "left the block, or is still running): its figures and findings are missing here; "
+            "each rank's own report is still what its tracker.report() returns")
     return replace(own, findings=tuple(findings), ranks=arrived, notes=tuple(notes))
 
 
