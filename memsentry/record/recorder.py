@@ -31,7 +31,7 @@ from memsentry.measure import (
     nvml_query,
     parse_device,
 )
-from memsentry.model import Boundary, IterationStats, OutOfMemory, ReportData
+from memsentry.model import Boundary, OutOfMemory, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import BackwardCall, ForwardCall
 from memsentry.record.coverage import Coverage, coverage_notes
@@ -212,7 +212,8 @@ class Recorder:
         self._signal(Boundary.OPTIMIZER)
 
     def _backward_ended(self) -> None:
-        self._signal(Boundary.BACKWARD) if self.active else None
+        if self.active:
+            self._signal(Boundary.BACKWARD)
 
     def _outermost_call(self, module: nn.Module) -> None:
         """Before an outermost module call: the next call of the first outermost module
@@ -251,17 +252,10 @@ class Recorder:
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
                                     sampler.peak, now,
                                     parts=breakdown(sampler, self._clock.index))
-        parts: list[IterationStats] = []
-        if merge:
-            for item in reversed(self._timeline.items):
-                if not Signals.weaker(item.boundary, than=boundary):
-                    break
-                parts.insert(0, item)
-        if parts:
-            self._clock.index = self._timeline.merge_tail(parts, closing)
-            self._censuses.forget_since(self._clock.index)
-        else:
-            self._timeline.add(closing)
+        merged = self._timeline.close(closing, merge=merge)
+        if merged is not None:
+            self._clock.index = merged
+            self._censuses.forget_since(merged)
         self._overall_peak = max(self._overall_peak, sampler.peak)
         if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
             if self._backward is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memsentry.model import Boundary, Breakdown, IterationStats
+from memsentry.record.signals import Signals
 
 
 def batch_size(args: Any) -> int | None:
@@ -74,6 +75,21 @@ class Timeline:
             kept = [it for it in self.items if it.index % self.stride == 0]
             self.dropped += len(self.items) - len(kept)
             self.items = kept
+
+    def close(self, closing: IterationStats, *, merge: bool = False) -> int | None:
+        """Add the iteration ``closing``; with ``merge``, as one with the newest items that
+        weaker boundaries closed just before it (they were parts of it). Returns the merged
+        iteration's index, or ``None`` when nothing was merged."""
+        parts: list[IterationStats] = []
+        if merge:
+            for item in reversed(self.items):
+                if not Signals.weaker(item.boundary, than=closing.boundary):
+                    break
+                parts.insert(0, item)
+        if not parts:
+            self.add(closing)
+            return None
+        return self.merge_tail(parts, closing)
 
     def merge_tail(self, parts: list[IterationStats], closing: IterationStats) -> int:
         """Replace ``parts`` (the newest items) and the iteration ``closing`` by one iteration
