@@ -6,6 +6,7 @@ Holds no tensor and no module strongly: modules are looked up through a ``WeakKe
 from __future__ import annotations
 
 import weakref
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,9 +91,9 @@ class LayerRecord:
 
 
 def storage_bytes(
-    tensors: list[torch.Tensor],
+    tensors: Iterable[torch.Tensor],
     seen: dict[int, int] | None = None,
-    skip: set[int] | frozenset[int] = frozenset(),
+    skip: Container[int] = frozenset(),
 ) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once; a
     DTensor counts its local shard; sparse, nested and other storage-less tensors count 0).

@@ -24,15 +24,13 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from memsentry.measure.storage import storage_of
 from memsentry.model import Breakdown
 from memsentry.record.coverage import Coverage
-from memsentry.record.layers import LayerRecord
+from memsentry.record.layers import LayerRecord, storage_bytes
 
 Keys = dict[int, int]  # storage pointer -> bytes
 
@@ -82,14 +80,6 @@ class Saved:
         live = self.live
         if live is not None:
             live.release(self.key)
-
-
-def _add(found: tuple[int, int, Any] | None, into: Keys, *taken: Keys) -> None:
-    if found is None or not found[0] or found[0] in into:
-        return
-    if any(found[0] in keys for keys in taken):
-        return
-    into[found[0]] = found[1]
 
 
 class Parts:
@@ -161,47 +151,31 @@ class Parts:
                     if isinstance(param, torch.Tensor):
                         params.setdefault(id(param), param)
         self._params = [weakref.ref(p) for p in params.values()]
-        keys: Keys = {}
-        for param in params.values():
-            _add(storage_of(param), keys)
-        self.param_keys = keys
-        self.parameters = sum(keys.values())
+        self.param_keys = {}
+        self.parameters = storage_bytes(params.values(), self.param_keys)
         self.read_gradients(list(params.values()))
-        state: Keys = {}
-        for optimizer in list(self._optimizers):
-            for per_param in list(optimizer.state.values()):
-                values = per_param.values() if isinstance(per_param, dict) else (per_param,)
-                for value in values:
-                    if isinstance(value, torch.Tensor):
-                        _add(storage_of(value), state, self.param_keys, self.grad_keys)
-        self.state_keys = state
-        self.optimizer_state = sum(state.values())
+        tensors = [value for optimizer in list(self._optimizers)
+                   for per_param in list(optimizer.state.values())
+                   for value in (per_param.values() if isinstance(per_param, dict)
+                                 else (per_param,))
+                   if isinstance(value, torch.Tensor)]
+        self.state_keys = {}
+        self.optimizer_state = storage_bytes(tensors, self.state_keys,
+                                             skip=self.param_keys.keys() | self.grad_keys.keys())
 
     def read_gradients(self, params: list[torch.Tensor] | None = None) -> None:
         """Enumerate the gradients of the parameters read at the last boundary."""
         if params is None:
             params = [p for p in (ref() for ref in self._params) if p is not None]
-        keys: Keys = {}
-        for param in params:
-            grad = param.grad
-            if grad is not None:
-                _add(storage_of(grad), keys, self.param_keys)
-        self.grad_keys = keys
-        self.gradients = sum(keys.values())
+        self.grad_keys = {}
+        self.gradients = storage_bytes([p.grad for p in params if p.grad is not None],
+                                       self.grad_keys, skip=self.param_keys)
 
     def add_gradients(self, params: Iterable[weakref.ref[torch.Tensor]]) -> None:
         """A layer's backward ended: count its own parameters' gradients made since."""
-        keys = self.grad_keys
-        for ref in params:
-            param = ref()
-            grad = param.grad if param is not None else None
-            if grad is None:
-                continue
-            found = storage_of(grad)
-            if found is not None and found[0] and found[0] not in keys \
-                    and found[0] not in self.param_keys:
-                keys[found[0]] = found[1]
-                self.gradients += found[1]
+        grads = [grad for param in (ref() for ref in params)
+                 if param is not None and (grad := param.grad) is not None]
+        self.gradients += storage_bytes(grads, self.grad_keys, skip=self.param_keys)
 
     def outside(self, counted: Callable[[int], bool]) -> int:
         """Bytes of the storages of the four parts that the backend does not count (the
