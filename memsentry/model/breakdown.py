@@ -11,6 +11,13 @@ from memsentry.model.kinds import Phase
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 
 
+def where(phase: Phase, layer: str | None) -> str:
+    """A moment of the loop for display: ``forward of `encoder.3```, ``optimizer step``."""
+    if layer is None or phase in (Phase.BETWEEN, Phase.STEP):
+        return str(phase)
+    return f"{phase} of `{layer}`"
+
+
 @dataclass(frozen=True)
 class Breakdown:
     """Memory at one moment, in bytes, by what it is.
@@ -67,9 +74,7 @@ class Breakdown:
     @property
     def where(self) -> str:
         """Where the loop was, for display: ``backward of `encoder.3```."""
-        if self.layer is None or self.phase in (Phase.BETWEEN, Phase.STEP):
-            return str(self.phase)
-        return f"{self.phase} of `{self.layer}`"
+        return where(self.phase, self.layer)
 
 
 @dataclass(frozen=True)
@@ -88,4 +93,4 @@ class Breakdowns:
         return cls(peak=peak, iterations=found)
 
 
-__all__ = ["CATEGORIES", "Breakdown", "Breakdowns"]
+__all__ = ["CATEGORIES", "Breakdown", "Breakdowns", "where"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memsentry.model.breakdown import Breakdown
+from memsentry.model.breakdown import Breakdown, where
 from memsentry.model.kinds import FixKind, Phase
 
 
@@ -63,9 +63,7 @@ class OutOfMemory:
     @property
     def where(self) -> str:
         """``forward of `encoder.3```, ``optimizer step``, ``between layers``."""
-        if self.layer is None or self.phase in (Phase.STEP, Phase.BETWEEN):
-            return str(self.phase)
-        return f"{self.phase} of `{self.layer}`"
+        return where(self.phase, self.layer)
 
 
 __all__ = ["LayerBytes", "OomFix", "OutOfMemory"]

@@ -16,8 +16,8 @@ from types import TracebackType
 import torch
 
 from memsentry.measure.cuda import CudaBackend
-from memsentry.model import Breakdown, OutOfMemory, Phase
-from memsentry.record.sampler import Moment, Sampler, with_outside
+from memsentry.model import OutOfMemory, Phase
+from memsentry.record.sampler import Moment, Sampler, at_moment, with_outside
 from memsentry.record.timeline import IterationClock
 from memsentry.units import parse_size
 
@@ -111,9 +111,7 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
         phase = phase_of(error.__traceback__)
         total, moment = sampler.sample(), sampler.moment()
         layer = moment[5] if phase is Phase.BACKWARD else None
-    params, grads, state, saved, _phase, _layer = moment
-    parts = Breakdown.of(with_outside(sampler, total), parameters=params, gradients=grads,
-                         optimizer_state=state, activations=saved, phase=phase, layer=layer)
+    parts = at_moment(moment, with_outside(sampler, total), phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
     requested = requested_bytes(str(error))
     observed = backend.oom() if isinstance(backend, CudaBackend) else None

@@ -91,8 +91,17 @@ def breakdown(sampler: Sampler, index: int) -> Breakdown:
         return Breakdown.of(total, parameters=last.parameters, gradients=last.gradients,
                             optimizer_state=last.optimizer_state, activations=last.activations,
                             phase=last.phase, layer=last.layer, read_in=read_in)
-    params, grads, state, saved, phase, layer = sampler.at_peak
-    found = Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
-                         activations=saved, phase=phase, layer=layer)
+    found = at_moment(sampler.at_peak, total)
     parts.fresh = (found, index)
     return found
+
+
+def at_moment(moment: Moment, total: int, *, phase: Phase | None = None,
+              layer: str | None = None) -> Breakdown:
+    """The breakdown of ``total`` by the parts a sample noted at ``moment``; ``phase`` (with
+    ``layer``) replaces where the moment placed the loop."""
+    params, grads, state, saved, at, at_layer = moment
+    if phase is not None:
+        at, at_layer = phase, layer
+    return Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
+                        activations=saved, phase=at, layer=at_layer)
