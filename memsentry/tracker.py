@@ -173,7 +173,7 @@ class Tracker:
         if self._rank is None or self._rank.world_size < 2:
             return
         try:
-            own = self.report()
+            own = self.own_report()
             found = share(self._rank, own.to_json(indent=0), self._options.gather_timeout)
             if found is not None:
                 reports = [own, *(None if text is None else ReportData.from_dict(
@@ -220,20 +220,15 @@ class Tracker:
         """The device measured (``None`` until the first module call picks it)."""
         return self._recorder.device
 
+    def report(self) -> Report:
+        """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with
+        the rules' findings; on rank 0 of a process group, once tracking ended, every rank's
+        combined."""
+        return self._combined if self._combined is not None else self.own_report()
+
     def own_report(self) -> Report:
         """This rank's own report, also on rank 0 of a process group (where :meth:`report`
         combines every rank's)."""
-        combined, self._combined = self._combined, None
-        try:
-            return self.report()
-        finally:
-            self._combined = combined
-
-    def report(self) -> Report:
-        """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with
-        the rules' findings."""
-        if self._combined is not None:
-            return self._combined
         recording: ReportData = self._recorder.recording()
         report = Report.from_data(recording)
         if self._rank is None and self._state is _State.ACTIVE:
