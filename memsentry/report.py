@@ -6,9 +6,13 @@ users print (``str(report)``, :meth:`Report.format`) through the text reporter, 
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass, fields
 
 from memsentry.model import Forecast, ReportData
+from memsentry.reporters.html import render_fragment, render_html
+from memsentry.reporters.plotly import ChartsUnavailable, have_plotly
 from memsentry.reporters.text import TextReporter
 from memsentry.rules.forecast import forecast, max_batch
 
@@ -48,8 +52,38 @@ class Report(ReportData):
         such as ``"80 GiB"``); 0 when not even the part that does not scale fits."""
         return max_batch(self, memory)
 
+    def to_html(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The HTML report: one self-contained page (charts, tables and data inside; it opens
+        offline) with the timeline, the findings linked to it, the sortable layer table and
+        one line per rank. Also writes it to ``path`` when one is given. Needs the plotly
+        package (``pip install 'memsentry[html]'``); without it raises
+        :class:`~memsentry.reporters.plotly.ChartsUnavailable` saying so."""
+        page = render_html(self)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(page + "\n")
+        return page
+
+    def _repr_html_(self) -> str:
+        """Jupyter's inline display: findings and timeline first, the tables folded. The first
+        report a kernel shows carries plotly.js; later ones use it from the page."""
+        dom = f"memsentry-{os.getpid()}-{next(_DISPLAYS)}"
+        global _PLOTLY_SENT
+        with_plotly = not _PLOTLY_SENT and have_plotly()
+        try:
+            fragment = render_fragment(self, dom=dom, compact=True, with_plotly=with_plotly)
+        except ChartsUnavailable:
+            with_plotly = False
+            fragment = render_fragment(self, dom=dom, compact=True, with_plotly=False)
+        _PLOTLY_SENT = _PLOTLY_SENT or with_plotly
+        return fragment
+
     def __str__(self) -> str:
         return self.format()
+
+
+_DISPLAYS = itertools.count(1)
+_PLOTLY_SENT = False
 
 
 __all__ = ["Report"]

@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also save the report as JSON to FILE")
+    parser.add_argument("--html", metavar="FILE",
+                        help="also save the report as one self-contained HTML page to FILE "
+                             "(timeline, findings, layer table; needs memsentry[html])")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the text report to FILE instead of standard output")
     parser.add_argument("--device",
@@ -106,7 +109,12 @@ def _check(args: argparse.Namespace) -> str | None:
                 return f"--fit {args.fit!r}: give a positive size, e.g. 80GiB"
         except ValueError as error:
             return f"--fit: {error}"
-    for option, path in (("-o", args.output), ("--json", args.json)):
+    if args.html is not None:
+        from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
+
+        if not have_plotly():
+            return f"--html: the HTML report needs the plotly package: {INSTALL_HINT}"
+    for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html)):
         problem = _unwritable(path) if path else None
         if problem is not None:
             return f"{option}: {problem}"
@@ -199,4 +207,21 @@ def _output(args: argparse.Namespace, report: Report, code: int) -> int:
         except OSError as error:
             fail("run", f"--json: could not write {args.json!r} ({error.strerror})")
             code = code or 2
+    if args.html:
+        code = write_html(report, args.html, "run") or code
     return code
+
+
+def write_html(report: Report, path: str, command: str) -> int:
+    """Save the HTML report to ``path`` and say where; 2 (after saying why) when it cannot."""
+    from memsentry.reporters.plotly import ChartsUnavailable
+
+    try:
+        report.to_html(path)
+    except (OSError, ChartsUnavailable) as error:
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        return fail(command, f"--html: could not write {path!r} ({reason})")
+    size = os.path.getsize(path)
+    print(f"memsentry: HTML report written to {path} ({size / 2**20:.1f} MiB; it opens "
+          "offline in any browser)")
+    return 0

@@ -8,7 +8,8 @@ import sys
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.report import Report
-from memsentry.reporters import REPORTERS, JsonReporter, Reporter, TextReporter
+from memsentry.reporters import REPORTERS, HtmlReporter, JsonReporter, Reporter, TextReporter
+from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                         help="output format (default text)")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write to FILE instead of standard output")
+    parser.add_argument("--html", metavar="FILE",
+                        help="write the report as one self-contained HTML page to FILE instead "
+                             "(needs memsentry[html])")
     add_table_options(parser)
 
 
@@ -43,9 +47,17 @@ def run(args: argparse.Namespace) -> int:
     report = _read(args.report)
     if isinstance(report, str):
         return fail("show", report)
+    if args.html:
+        from memsentry.cli.run import write_html
+
+        return write_html(report, args.html, "show")
     reporter: Reporter
     if args.format == JsonReporter.name:
         reporter = JsonReporter()
+    elif args.format == HtmlReporter.name:
+        if not have_plotly():
+            return fail("show", f"--format html needs the plotly package: {INSTALL_HINT}")
+        reporter = HtmlReporter()
     else:
         reporter = TextReporter(max_depth=args.depth, top=args.top, width=args.width)
     if args.output:

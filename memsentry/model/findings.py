@@ -31,7 +31,9 @@ class Finding:
     seen) are the evidence, and every finding has bytes or objects above zero; ``subject`` is
     what the finding is about and ``location`` the line to change, when known. ``rank`` is
     the process (``torch.distributed`` rank) whose run it is about, in a report of a process
-    group (``None`` outside one).
+    group (``None`` outside one). ``iteration`` is the iteration whose record shows the
+    evidence (the census that saw the holder, the last iteration of a growth fit, the peak's
+    iteration); ``None`` when the finding is about the run as a whole.
     """
 
     rule: str
@@ -44,6 +46,7 @@ class Finding:
     subject: Subject | None = None
     location: Location | None = None
     rank: int | None = None
+    iteration: int | None = None
 
     @property
     def where(self) -> str | None:

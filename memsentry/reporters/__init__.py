@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from memsentry.reporters.base import Reporter
+from memsentry.reporters.html import HtmlReporter
 from memsentry.reporters.json import JsonReporter
 from memsentry.reporters.text import TextReporter
 
 #: Every reporter by its format name.
-REPORTERS: dict[str, type[TextReporter] | type[JsonReporter]] = {
+REPORTERS: dict[str, type[TextReporter] | type[JsonReporter] | type[HtmlReporter]] = {
     TextReporter.name: TextReporter,
     JsonReporter.name: JsonReporter,
+    HtmlReporter.name: HtmlReporter,
 }
 
 
@@ -29,4 +31,4 @@ def make_reporter(name: str, **options: Any) -> Reporter:
     return reporter
 
 
-__all__ = ["REPORTERS", "JsonReporter", "Reporter", "TextReporter", "make_reporter"]
+__all__ = ["REPORTERS", "HtmlReporter", "JsonReporter", "Reporter", "TextReporter", "make_reporter"]

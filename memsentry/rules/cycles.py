@@ -71,5 +71,6 @@ def reference_cycle(report: ReportData) -> list[Finding]:
     return [
         Finding(rule=RULE_ID, severity=severity, message=message, fix=_fix(last),
                 bytes=max(largest.bytes, last.freed), rate=per_iteration, objects=last.tensors,
-                subject=Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None)
+                subject=Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None,
+                iteration=sightings[-1].iteration)
     ]

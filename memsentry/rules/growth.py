@@ -129,6 +129,7 @@ def memory_growth(report: ReportData) -> list[Finding]:
             bytes=grown,
             rate=rate,
             subject=Subject(SubjectKind.DEVICE, report.device),
+            iteration=last.index,
         )
     ]
 

@@ -24,7 +24,8 @@ def memory_headroom(report: ReportData) -> list[Finding]:
     total = report.total_memory
     if not is_cuda(report) or not total or len(its) < 2:
         return []
-    peak = max(it.peak for it in its)
+    highest = max(its, key=lambda it: it.peak)
+    peak = highest.peak
     if peak >= HEADROOM_SHARE * total:
         return []
     message = (
@@ -46,4 +47,5 @@ def memory_headroom(report: ReportData) -> list[Finding]:
         "(activation checkpointing, CPU offload)"
     )
     return [Finding(rule=HEADROOM, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=total - peak, subject=device_subject(report))]
+                    bytes=total - peak, subject=device_subject(report),
+                    iteration=highest.index)]

@@ -93,7 +93,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
             continue
         if not growing:
             if kept and not count.climbs() and _is_attribute(last):
-                findings.append(_pinned_graph(last))
+                findings.append(_pinned_graph(last, nodes.iterations[-1]))
             continue
         most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
         message = (
@@ -129,6 +129,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
                 bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
                 rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
                 subject=Subject.holder(last.path), location=last.where,
+                iteration=nodes.iterations[-1],
             )
         )
     return findings
@@ -142,7 +143,7 @@ def _is_attribute(holder: HolderStats) -> bool:
     return any(step.kind == StepKind.ATTRIBUTE for step in until_subscript(holder.path))
 
 
-def _pinned_graph(last: HolderStats) -> Finding:
+def _pinned_graph(last: HolderStats, iteration: int) -> Finding:
     """An attribute that keeps one graph-carrying tensor across iterations (replaced, not
     appended, each time): bounded, but one extra graph stays alive."""
     message = (
@@ -159,7 +160,7 @@ def _pinned_graph(last: HolderStats) -> Finding:
     return Finding(
         rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
         bytes=last.bytes + last.graph_saved_bytes, rate=None, objects=last.graph_nodes,
-        subject=Subject.holder(last.path), location=last.where,
+        subject=Subject.holder(last.path), location=last.where, iteration=iteration,
     )
 
 
@@ -188,7 +189,7 @@ def _gradient_finding(last: HolderStats, nodes: Trend, saved: Trend, growing: bo
         message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
         objects=last.graph_nodes,
         rate=saved.per_iteration if saved.per_iteration > 0 else None,
-        subject=Subject.holder(last.path),
+        subject=Subject.holder(last.path), iteration=nodes.iterations[-1],
     )
 
 
@@ -308,5 +309,5 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
         bytes=last.bytes + last.graph_saved_bytes, objects=int(_count(last)),
         rate=max(growth_rate(size), 0.0), subject=Subject.holder(last.path),
-        location=last.where,
+        location=last.where, iteration=count.iterations[-1],
     )

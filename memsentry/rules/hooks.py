@@ -38,6 +38,7 @@ def hook_accumulation(report: ReportData) -> list[Finding]:
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
                     bytes=None, rate=None, objects=last.count, location=last.where,
-                    subject=Subject(SubjectKind.MODULE, module or "<global hooks>"))
+                    subject=Subject(SubjectKind.MODULE, module or "<global hooks>"),
+                    iteration=count.iterations[-1])
         )
     return findings

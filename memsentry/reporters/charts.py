@@ -1,0 +1,215 @@
+"""The HTML report's charts as plotly figure specifications (plain dicts, drawn by plotly.js
+in the page): the iteration timeline and the ranks of a process group.
+
+Long timelines are thinned on the way in: at most ``at_most`` iterations are drawn, chosen
+per bucket of neighbours so that each bucket keeps its highest peak and its lowest and
+highest allocated figure (a leak's climb, a sawtooth's teeth and every peak stay visible).
+Censuses and findings are marked at their own iteration whatever was thinned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from memsentry.model import (
+    CATEGORIES,
+    Boundary,
+    Census,
+    Finding,
+    IterationStats,
+    ReportData,
+)
+from memsentry.units import format_bytes
+
+#: Iterations drawn at most; a 10,000-iteration timeline is thinned to this many points.
+AT_MOST = 1500
+
+_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+_COLOURS = {
+    "allocated": "#1f5fa8", "peak": "#d0612a", "reserved": "#7d8791",
+    "parameters": "#9fb7d6", "gradients": "#b5d6a7", "optimizer_state": "#e8d18c",
+    "activations": "#e9a27c", "other": "#d4d4d8",
+    "leak": "#c0262d", "waste": "#d9822b", "hint": "#3c7dbf", "census": "#6b4fa0",
+}
+_LABELS = {"parameters": "parameters", "gradients": "gradients",
+           "optimizer_state": "optimizer state", "activations": "activations",
+           "other": "other"}
+_CLOSED_BY = {Boundary.OPTIMIZER: "optimizer.step()", Boundary.STEP: "t.step()",
+              Boundary.EXIT: "the end of tracking (partial)"}
+
+
+def unit_for(largest: float) -> tuple[int, str]:
+    """The binary unit the axis is drawn in: the largest that keeps ``largest`` at 1 or more."""
+    for scale, label in _UNITS:
+        if largest >= scale:
+            return scale, label
+    return 1, "B"
+
+
+def thin(iterations: Sequence[IterationStats], at_most: int = AT_MOST) -> list[IterationStats]:
+    """At most about ``at_most`` of ``iterations``, in order, keeping per bucket of neighbours
+    the one with the highest peak and those with the lowest and highest allocated figure."""
+    if len(iterations) <= at_most:
+        return list(iterations)
+    size = math.ceil(len(iterations) * 3 / max(at_most, 3))
+    kept: list[IterationStats] = []
+    for start in range(0, len(iterations), size):
+        bucket = iterations[start:start + size]
+        chosen = {id(max(bucket, key=lambda it: it.peak)),
+                  id(min(bucket, key=lambda it: it.allocated)),
+                  id(max(bucket, key=lambda it: it.allocated))}
+        kept.extend(it for it in bucket if id(it) in chosen)
+    return kept
+
+
+def _point_text(it: IterationStats) -> str:
+    text = f"iteration {it.index}, closed by {_CLOSED_BY.get(it.boundary, str(it.boundary))}"
+    text += f", {it.seconds * 1000:.1f} ms"
+    if it.batch is not None:
+        text += f", batch {it.batch}"
+    return text
+
+
+def _line(name: str, xs: list[int], ys: list[float | None], text: list[str], unit: str,
+          *, dash: str = "solid", mode: str = "lines") -> dict[str, Any]:
+    return {
+        "type": "scatter", "mode": mode, "name": name, "x": xs, "y": ys, "text": text,
+        "line": {"color": _COLOURS[name], "width": 2, "dash": dash},
+        "hovertemplate": f"{name} %{{y:.4g}} {unit}<extra>%{{text}}</extra>",
+    }
+
+
+def _stacked(shown: list[IterationStats], scale: int, unit: str) -> list[dict[str, Any]]:
+    """One filled trace per category of the breakdown at each iteration's peak, stacked."""
+    xs = [it.index for it in shown]
+    traces = []
+    for name in CATEGORIES:
+        ys = [None if it.parts is None else it.parts.part(name) / scale for it in shown]
+        traces.append({
+            "type": "scatter", "mode": "lines", "name": _LABELS[name], "x": xs, "y": ys,
+            "stackgroup": "peak", "legendgroup": "breakdown", "xaxis": "x", "yaxis": "y2",
+            "line": {"width": 0.5, "color": _COLOURS[name]}, "fillcolor": _COLOURS[name],
+            "hovertemplate": f"{_LABELS[name]} %{{y:.4g}} {unit}<extra>at the peak</extra>",
+        })
+    return traces
+
+
+def _census_text(census: Census) -> str:
+    top = sorted(census.holders, key=lambda h: h.bytes, reverse=True)[:3]
+    held = "; ".join(f"{h.name} {format_bytes(h.bytes)}" for h in top) or "no holder"
+    return f"census at iteration {census.iteration}: {held}"
+
+
+def _markers(report: ReportData, by_index: dict[int, IterationStats], scale: int,
+             unit: str) -> list[dict[str, Any]]:
+    """Censuses, and each finding at the iteration its evidence was read in."""
+    traces = []
+    censuses = [c for c in report.censuses if c.iteration in by_index]
+    if censuses:
+        traces.append({
+            "type": "scatter", "mode": "markers", "name": "census",
+            "x": [c.iteration for c in censuses],
+            "y": [by_index[c.iteration].allocated / scale for c in censuses],
+            "text": [_census_text(c) for c in censuses],
+            "marker": {"symbol": "diamond-open", "size": 9, "color": _COLOURS["census"]},
+            "hovertemplate": "%{text}<extra></extra>",
+        })
+    for severity in ("leak", "waste", "hint"):
+        marked = [(i, f.iteration, f) for i, f in enumerate(report.findings)
+                  if f.severity.value == severity and f.iteration is not None
+                  and f.iteration in by_index]
+        if not marked:
+            continue
+        traces.append({
+            "type": "scatter", "mode": "markers", "name": f"{severity.upper()} finding",
+            "x": [at for _, at, _ in marked],
+            "y": [by_index[at].peak / scale for _, at, _ in marked],
+            "text": [_finding_text(f) for _, _, f in marked],
+            "customdata": [i for i, _, _ in marked],
+            "marker": {"symbol": "x", "size": 12, "color": _COLOURS[severity],
+                       "line": {"width": 1, "color": "#ffffff"}},
+            "hovertemplate": "%{text}<extra>click: show the finding</extra>",
+        })
+    return traces
+
+
+def _finding_text(finding: Finding) -> str:
+    where = f" [{finding.where}]" if finding.where else ""
+    message = finding.message if len(finding.message) <= 90 else finding.message[:89] + "…"
+    return f"{finding.severity.value.upper()} {finding.rule}{where}: {message}"
+
+
+def _layout(unit: str, title: str, height: int = 380) -> dict[str, Any]:
+    return {
+        "title": {"text": title, "font": {"size": 14}, "x": 0, "xanchor": "left"},
+        "height": height, "margin": {"l": 60, "r": 20, "t": 40, "b": 60},
+        "hovermode": "x",
+        "legend": {"orientation": "h", "y": -0.2, "yanchor": "top", "traceorder": "normal"},
+        "xaxis": {"title": {"text": "iteration"}, "zeroline": False},
+        "yaxis": {"title": {"text": f"memory ({unit})"}, "rangemode": "tozero"},
+        "plot_bgcolor": "#ffffff", "paper_bgcolor": "#ffffff",
+    }
+
+
+def timeline_figure(report: ReportData, *, at_most: int = AT_MOST) -> dict[str, Any] | None:
+    """The iteration timeline: allocated at each boundary, the peak inside, reserved, the
+    breakdown at each peak stacked, censuses and findings marked; ``None`` with no
+    iteration."""
+    if not report.iterations:
+        return None
+    shown = thin(report.iterations, at_most)
+    largest = max(max(it.peak, it.allocated, it.reserved or 0) for it in report.iterations)
+    scale, unit = unit_for(largest)
+    xs = [it.index for it in shown]
+    text = [_point_text(it) for it in shown]
+    stacked = any(it.parts for it in shown)
+    traces = _stacked(shown, scale, unit) if stacked else []
+    traces.append(_line("allocated", xs, [it.allocated / scale for it in shown], text, unit,
+                        mode="lines+markers" if len(shown) <= 60 else "lines"))
+    traces.append(_line("peak", xs, [it.peak / scale for it in shown], text, unit,
+                        dash="dot"))
+    if any(it.reserved is not None for it in shown):
+        traces.append(_line("reserved", xs, [None if it.reserved is None else it.reserved / scale
+                                             for it in shown], text, unit, dash="dash"))
+    traces.extend(_markers(report, {it.index: it for it in report.iterations}, scale, unit))
+    title = f"Timeline: {len(report.iterations):,} iterations"
+    if len(shown) < len(report.iterations):
+        title += f" ({len(shown):,} drawn: the highest peak and the allocated range per bucket)"
+    layout = _layout(unit, title)
+    if stacked:  # the parts below the lines, on the same iterations
+        layout["height"] = 560
+        layout["yaxis"]["domain"] = [0.45, 1]
+        layout["yaxis2"] = {"domain": [0, 0.38], "anchor": "x", "rangemode": "tozero",
+                            "title": {"text": f"at each peak ({unit})"}}
+        layout["xaxis"]["anchor"] = "y2"
+    if report.oom is not None:
+        layout["shapes"] = [{"type": "line", "xref": "x", "yref": "paper", "y0": 0, "y1": 1,
+                             "x0": report.oom.iteration, "x1": report.oom.iteration,
+                             "line": {"color": _COLOURS["leak"], "width": 2}}]
+        layout["annotations"] = [{"x": report.oom.iteration, "y": 1, "yref": "paper",
+                                  "text": "out of memory", "showarrow": False,
+                                  "font": {"color": _COLOURS["leak"]}, "yanchor": "bottom"}]
+    return {"data": traces, "layout": layout}
+
+
+def ranks_figure(report: ReportData, *, at_most: int = AT_MOST) -> dict[str, Any] | None:
+    """One allocated line per rank of a combined report; ``None`` when it combines none."""
+    ranked = [each for each in report.ranks if each.iterations]
+    if not ranked:
+        return None
+    largest = max(it.peak for each in ranked for it in each.iterations)
+    scale, unit = unit_for(largest)
+    traces = []
+    for each in ranked:
+        shown = thin(each.iterations, max(at_most // len(ranked), 100))
+        traces.append({
+            "type": "scatter", "mode": "lines", "name": f"rank {each.rank}",
+            "x": [it.index for it in shown], "y": [it.allocated / scale for it in shown],
+            "hovertemplate": f"rank {each.rank}: %{{y:.4g}} {unit}<extra></extra>",
+        })
+    return {"data": traces, "layout": _layout(unit, "Allocated per rank", height=320)}
+
+
+__all__ = ["AT_MOST", "ranks_figure", "thin", "timeline_figure", "unit_for"]

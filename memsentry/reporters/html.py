@@ -1,0 +1,257 @@
+"""The HTML report: one self-contained file (styles, script, data and plotly.js inside it; no
+request leaves the page) with the timeline, the findings linked to it, the per-layer table
+(sortable, its module tree collapsible) and the rest of the text report's sections.
+
+:func:`render_html` makes the whole page; :func:`render_fragment` the part a notebook shows
+inline (``compact``: findings and timeline first, the tables folded away).
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.resources
+import json
+import re
+from collections.abc import Sequence
+from typing import IO, Any
+
+from memsentry.model import Finding, LayerStats, ReportData
+from memsentry.reporters.breakdown import layer_share, render_breakdown
+from memsentry.reporters.charts import AT_MOST, ranks_figure, timeline_figure
+from memsentry.reporters.oom import render_oom
+from memsentry.reporters.plotly import plotly_js
+from memsentry.reporters.ranks import rank_line, render_ranks
+from memsentry.reporters.text import render_header, render_iterations
+from memsentry.units import format_bytes
+
+_CODE = re.compile(r"`([^`]+)`")
+_LAYER_COLUMNS = (
+    # (heading, what it is, attribute or None, drawn with a bar)
+    ("layer", "module path (indented by depth)", None, False),
+    ("type", "module class", None, False),
+    ("calls", "forward calls", "calls", False),
+    ("params", "parameters of the module and its children", "param_bytes", False),
+    ("output", "storage of the tensors the forward returned", "output_bytes", False),
+    ("saved", "activations saved for backward (largest call)", "saved_bytes", True),
+    ("of peak", "saved bytes over the highest iteration peak", None, False),
+    ("fwd Δ", "allocated after the forward minus before", "forward_delta", False),
+    ("fwd peak", "highest allocated during the forward minus before", "forward_peak", True),
+    ("bwd Δ", "allocated after the backward minus before", "backward_delta", False),
+    ("bwd peak", "highest allocated during the backward minus before", "backward_peak", True),
+)
+
+
+def _asset(name: str) -> str:
+    return (importlib.resources.files("memsentry.reporters") / "assets" / name).read_text(
+        encoding="utf-8")
+
+
+def _text(value: str) -> str:
+    """Escaped text with `backticked` spans as code."""
+    return _CODE.sub(r"<code>\1</code>", html.escape(value, quote=False))
+
+
+def _json_for_script(value: Any) -> str:
+    """JSON safe inside a ``<script>`` element (no ``</`` can close it early)."""
+    return json.dumps(value, separators=(",", ":")).replace("</", "<\\/")
+
+
+# -- sections -------------------------------------------------------------------------------
+def _summary(report: ReportData) -> str:
+    lines = render_header(report).splitlines()
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return f'<ul class="summary">{items}</ul>'
+
+
+def _evidence(finding: Finding) -> str:
+    parts = []
+    if finding.bytes:
+        parts.append(format_bytes(finding.bytes))
+    if finding.rate:
+        parts.append(f"{format_bytes(round(finding.rate), signed=True)}/iter")
+    if finding.objects:
+        parts.append(f"{finding.objects:,} objects")
+    return ", ".join(parts)
+
+
+def _finding(dom: str, index: int, finding: Finding) -> str:
+    severity = finding.severity.value
+    rank = "" if finding.rank is None else f'<span class="rank">rank {finding.rank}</span>'
+    rows = []
+    if finding.subject is not None:
+        rows.append(("about", f"<code>{html.escape(finding.subject.name)}</code> "
+                              f"({html.escape(str(finding.subject.kind))})"))
+    if finding.location is not None:
+        rows.append(("line", f"<code>{html.escape(str(finding.location))}</code>"))
+    evidence = _evidence(finding)
+    if evidence:
+        rows.append(("evidence", html.escape(evidence)))
+    facts = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in rows)
+    jump = ""
+    if finding.iteration is not None:
+        jump = (f'<a href="#{dom}-timeline" class="jump" data-iteration="{finding.iteration}">'
+                f"iteration {finding.iteration} on the timeline</a>")
+    return (
+        f'<div class="finding sev-{severity}" id="{dom}-f{index}">'
+        f'<div class="head"><span class="badge">{severity.upper()}</span>'
+        f"<code>{html.escape(finding.rule)}</code>{rank}{jump}</div>"
+        f'<p class="message">{_text(finding.message)}</p><dl>{facts}</dl>'
+        f'<p class="fix"><b>fix:</b> {_text(finding.fix)}</p></div>'
+    )
+
+
+def _findings(dom: str, report: ReportData) -> str:
+    if not report.findings:
+        return ('<section><h2>Findings (0)</h2><p class="none">No finding: no leak, waste or '
+                "hint was seen in this run.</p></section>")
+    cards = "".join(_finding(dom, i, f) for i, f in enumerate(report.findings))
+    return f'<section><h2>Findings ({len(report.findings)})</h2>{cards}</section>'
+
+
+def _chart(dom: str, name: str, title: str, has: bool) -> str:
+    if not has:
+        return ""
+    return (f'<section><h2>{title}</h2><div class="chart" id="{dom}-{name}" '
+            f'data-chart="{name}"></div></section>')
+
+
+def _parents(layers: Sequence[LayerStats]) -> list[int | None]:
+    """Each layer's parent row (the nearest earlier layer one level up), by call order."""
+    parents: list[int | None] = []
+    stack: list[int] = []
+    for i, layer in enumerate(layers):
+        while stack and layers[stack[-1]].depth >= layer.depth:
+            stack.pop()
+        parents.append(stack[-1] if stack else None)
+        stack.append(i)
+    return parents
+
+
+def _layer_cells(layer: LayerStats, report: ReportData, tops: dict[str, int]) -> str:
+    peak = report.breakdown.peak
+    cells = []
+    for heading, _about, attr, bar in _LAYER_COLUMNS[2:]:
+        if heading == "of peak":
+            share = layer_share(layer, peak)
+            order = (layer.saved_bytes or 0) if share != "-" else -1
+            cells.append(f'<td data-v="{order}">{share}</td>')
+            continue
+        assert attr is not None
+        value = getattr(layer, attr)
+        shown = str(value) if attr == "calls" else format_bytes(value, compact=True)
+        drawn = ""
+        if bar and value and tops.get(attr):
+            width = max(1, round(100 * max(value, 0) / tops[attr]))
+            drawn = f'<span class="bar" style="width:{width}%"></span>'
+        sort = -1e30 if value is None else value
+        cells.append(f'<td data-v="{sort}">{drawn}<span class="v">{shown}</span></td>')
+    return "".join(cells)
+
+
+def _layers(report: ReportData) -> str:
+    if not report.layers:
+        return "<p class='none'>No module forward ran while tracking.</p>"
+    layers = report.layers
+    parents = _parents(layers)
+    has_children = {p for p in parents if p is not None}
+    tops = {attr: max((getattr(x, attr) or 0 for x in layers), default=0)
+            for _h, _a, attr, bar in _LAYER_COLUMNS if bar and attr}
+    head = "".join(
+        f'<th title="{html.escape(about)}" data-col="{i}">{html.escape(h)}</th>'
+        for i, (h, about, _attr, _bar) in enumerate(_LAYER_COLUMNS))
+    rows = []
+    for i, layer in enumerate(layers):
+        toggle = ('<button class="fold" aria-label="fold">▾</button>' if i in has_children
+                  else '<span class="leaf"></span>')
+        parent = "" if parents[i] is None else f' data-parent="{parents[i]}"'
+        rows.append(
+            f'<tr data-row="{i}" data-depth="{layer.depth}"{parent}>'
+            f'<td data-v="{i}" style="padding-left:{0.3 + layer.depth * 1.1:.1f}em">{toggle}'
+            f"<code>{html.escape(layer.name)}</code></td>"
+            f'<td data-v="{html.escape(layer.type)}">{html.escape(layer.type)}</td>'
+            f"{_layer_cells(layer, report, tops)}</tr>")
+    return (f'<table class="layers"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table>'
+            '<p class="hint">Click a heading to sort (click "layer" again for the module tree); '
+            "▾ folds a module's children. Bytes are per call: the worst call after the first.</p>")
+
+
+def _pre(title: str, text: str | None) -> str:
+    if not text:
+        return ""
+    return f"<section><h2>{title}</h2><pre>{html.escape(text)}</pre></section>"
+
+
+def _notes(report: ReportData) -> str:
+    if not report.notes:
+        return ""
+    items = "".join(f"<li>{_text(note)}</li>" for note in report.notes)
+    return f"<section><h2>Notes</h2><ul class='notes'>{items}</ul></section>"
+
+
+def _folded(title: str, body: str, *, open_: bool) -> str:
+    return (f"<details{' open' if open_ else ''}><summary>{title}</summary>{body}</details>")
+
+
+def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool = False,
+                    with_plotly: bool = True, at_most: int = AT_MOST) -> str:
+    """The report as an HTML fragment (a ``div`` and its scripts) under the element id
+    ``dom``; ``with_plotly`` embeds plotly.js (leave it out only where the page has it)."""
+    figures = {"timeline": timeline_figure(report, at_most=at_most),
+               "ranks": ranks_figure(report, at_most=at_most)}
+    where = rank_line(report)
+    title = f"memsentry: {report.device}" + (f", {where}" if where else "")
+    oom = None if report.oom is None else render_oom(report.oom, width=100)
+    timeline = _chart(dom, "timeline", "Timeline", figures["timeline"] is not None) or (
+        "<section><h2>Timeline</h2><p class='none'>No iteration ended (iterations end at "
+        "optimizer.step() or t.step()).</p></section>")
+    tables = [
+        _folded(f"Layers ({len(report.layers)})", _layers(report), open_=not compact),
+        _pre("Memory at the highest peak", render_breakdown(report)),
+        _pre("Iterations", render_iterations(report)),
+        _chart(dom, "ranks", "Ranks", figures["ranks"] is not None),
+        _pre("Ranks table", render_ranks(report)),
+        _notes(report),
+    ]
+    heading, summary = f"<h1>{html.escape(title)}</h1>", _summary(report)
+    failure, findings = _pre("Out of memory", oom), _findings(dom, report)
+    if compact:  # what a notebook user looks for first; the tables folded away
+        body = [heading, failure, findings, timeline, summary,
+                _folded("Tables and notes", "".join(tables), open_=False)]
+    else:
+        body = [heading, summary, failure, findings, timeline, *tables]
+    data = {"figures": {k: v for k, v in figures.items() if v is not None}}
+    scripts = [f"<script>{plotly_js()}</script>"] if with_plotly else []
+    scripts.append(f'<script type="application/json" id="{dom}-data">'
+                   f"{_json_for_script(data)}</script>")
+    scripts.append(f"<script>{_asset('report.js')}\nmemsentryRender({json.dumps(dom)});</script>")
+    return (f'<div class="memsentry" id="{dom}"><style>{_asset("report.css")}</style>'
+            f'{"".join(body)}</div>{"".join(scripts)}')
+
+
+def render_html(report: ReportData, *, at_most: int = AT_MOST) -> str:
+    """The whole page, one self-contained document."""
+    where = rank_line(report)
+    title = f"memsentry report: {report.device}" + (f", {where}" if where else "")
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>{html.escape(title)}</title></head><body>"
+            f"{render_fragment(report, at_most=at_most)}</body></html>")
+
+
+class HtmlReporter:
+    """The report as one self-contained HTML page (needs plotly: ``memsentry[html]``)."""
+
+    name = "html"
+
+    def __init__(self, *, at_most: int = AT_MOST) -> None:
+        self.at_most = at_most
+
+    def text(self, report: ReportData) -> str:
+        return render_html(report, at_most=self.at_most)
+
+    def render(self, report: ReportData, out: IO[str]) -> None:
+        out.write(self.text(report) + "\n")
+
+
+__all__ = ["HtmlReporter", "render_fragment", "render_html"]
