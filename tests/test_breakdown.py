@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memsentry
-from memsentry.model import CATEGORIES, Breakdown
+from memsentry.model import CATEGORIES, Boundary, Breakdown
 
 WIDTH = 1024
 
@@ -185,3 +185,38 @@ def test_iterations_that_measure_layers_in_turn_carry_the_last_reading() -> None
             assert parts[part.read_in].read_in is None
             assert part.parameters == parts[part.read_in].parameters
         assert part.total == report.iterations[index].peak
+
+
+@pytest.mark.in_turn
+@pytest.mark.parametrize("made_inside", [False, True], ids=["model-before", "model-inside"])
+def test_carried_readings_in_exact_mode_count_what_the_counter_missed_once(
+        made_inside: bool) -> None:
+    # With storage counting, parameters made before tracking are outside the counter and
+    # are added to each peak. An iteration that carries a reading must add what that
+    # reading found outside, not the gradients it saw then (freed by zero_grad since, so no
+    # longer counted): those once made carried totals 6 MiB over the peak on the sample.
+    torch.manual_seed(0)
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(*[m for _ in range(200) for m in (nn.Linear(8, 8), nn.ReLU())])
+
+    model = None if made_inside else build()
+    x = torch.randn(4, 8)
+    with memsentry.track(model, exact=True, on_leak="ignore", overhead=0.001) as tracker:
+        if model is None:
+            model = build()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(12):
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    report = tracker.report()
+    parts = report.breakdown.iterations
+    carried = [i for i, p in enumerate(parts) if p.read_in is not None]
+    assert carried, "every iteration read the parts"
+    outside = {parts[i].total - report.iterations[i].peak for i in range(len(parts))
+               if report.iterations[i].boundary is Boundary.OPTIMIZER}
+    # The same bytes outside the counter in every iteration: the parameters made before
+    # tracking, or nothing when the model was made inside it.
+    assert outside == ({0} if made_inside else {parts[0].parameters})
+    assert report.breakdown.peak.total <= report.peak + parts[0].parameters

@@ -98,9 +98,10 @@ class Parts:
         self.parameters = self.gradients = self.optimizer_state = 0
         # Whether the running iteration reads the parts: when layers are measured in turn
         # (record.coverage), only iterations whose outermost call is measured do; the others
-        # carry the last reading (``fresh``: that breakdown and its iteration).
+        # carry the last reading (``fresh``: that breakdown, its iteration, and the bytes of
+        # the parts' storages the backend did not count then).
         self.due = True
-        self.fresh: tuple[Breakdown, int] | None = None
+        self.fresh: tuple[Breakdown, int, int] | None = None
 
     @property
     def activations(self) -> int:

@@ -85,14 +85,17 @@ def breakdown(sampler: Sampler, index: int) -> Breakdown:
     """The four parts at iteration ``index``'s peak, read in it or carried from the last
     iteration that read them."""
     parts = sampler.parts
-    total = with_outside(sampler, sampler.peak)
     if not parts.due and parts.fresh is not None:
-        last, read_in = parts.fresh
-        return Breakdown.of(total, parameters=last.parameters, gradients=last.gradients,
-                            optimizer_state=last.optimizer_state, activations=last.activations,
-                            phase=last.phase, layer=last.layer, read_in=read_in)
+        # The parts' storage keys are those of the reading carried: a gradient freed since
+        # would look uncounted, so the bytes outside the backend are the reading's too.
+        last, read_in, outside = parts.fresh
+        return Breakdown.of(sampler.peak + outside, parameters=last.parameters,
+                            gradients=last.gradients, optimizer_state=last.optimizer_state,
+                            activations=last.activations, phase=last.phase, layer=last.layer,
+                            read_in=read_in)
+    total = with_outside(sampler, sampler.peak)
     found = at_moment(sampler.at_peak, total)
-    parts.fresh = (found, index)
+    parts.fresh = (found, index, total - sampler.peak)
     return found
 
 
