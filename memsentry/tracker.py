@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import sys
 import warnings
 from dataclasses import replace
@@ -20,7 +21,10 @@ from torch import nn
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
+from memsentry.record.options import SNAPSHOT_ENTRIES
+from memsentry.record.paths import unwritable
 from memsentry.record.ranks import RankInfo, begin_block, rank_info, share
+from memsentry.record.snapshot import SnapshotRecording, with_snapshot_options, write_snapshot
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
@@ -59,6 +63,12 @@ class Tracker:
     the report says so. ``None`` measures every call whatever it costs. ``gather_timeout``:
     in a ``torch.distributed`` process group, the seconds rank 0 waits at the end for the
     other ranks' reports, which its report then combines (no collective is involved).
+    ``snapshot``: record the allocation history for PyTorch's memory_viz
+    (https://pytorch.org/memory_viz): ``True`` keeps it for :meth:`snapshot`, a path (str or
+    ``os.PathLike``) also writes it there when tracking ends. On CUDA the caching allocator
+    records it; on the CPU the exact storage counter does, so ``snapshot`` turns ``exact`` on
+    where the device is the CPU (a note in the report says so). ``snapshot_entries``: the
+    trace entries kept, the oldest dropped (a CPU storage takes five: made and freed).
     """
 
     def __init__(
@@ -75,17 +85,23 @@ class Tracker:
         holder_budget: float = 0.5,
         overhead: float | None = OVERHEAD,
         gather_timeout: float = 60.0,
+        snapshot: bool | str | os.PathLike[str] = False,
+        snapshot_entries: int = SNAPSHOT_ENTRIES,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
                 "track() takes a torch.nn.Module (or nothing, to hook every module), got "
                 f"{type(model).__name__}; pass the model itself, e.g. track(model)"
             )
-        self._options = Options.checked(
+        checked = Options.checked(
             device=device, exact=exact, saved_tensors=saved_tensors, backward=backward,
             max_iterations=max_iterations, on_leak=on_leak, holders=holders,
             holder_budget=holder_budget, overhead=overhead, gather_timeout=gather_timeout,
+            snapshot=snapshot, snapshot_entries=snapshot_entries,
         )
+        self._options = with_snapshot_options(checked, model)
+        self._snapshot = SnapshotRecording(self._options,
+                                           exact_implied=self._options.exact != checked.exact)
         self._recorder = Recorder(model, self._options)
         self._state = _State.NEW
         self._rank: RankInfo | None = None
@@ -107,6 +123,7 @@ class Tracker:
         except BaseException:
             self._state = _State.STOPPED
             raise
+        self._snapshot.start(self._recorder)
         return self
 
     def stop(self, error: BaseException | None = None) -> Report:
@@ -162,6 +179,7 @@ class Tracker:
     def _finish(self, *, raising: bool) -> None:
         self._state = _State.STOPPED
         self._recorder.stop()
+        self._snapshot.end(self._recorder.device)
         self._gather()
         if self._options.on_leak != "ignore":
             self._signal_leaks(raising=raising)
@@ -220,6 +238,28 @@ class Tracker:
         """The device measured (``None`` until the first module call picks it)."""
         return self._recorder.device
 
+    def snapshot(self, path: str | os.PathLike[str]) -> str:
+        """Write the memory_viz snapshot (a pickle of ``torch.cuda.memory._snapshot()``'s
+        format; open it at https://pytorch.org/memory_viz) to ``path`` and return the path:
+        the one frozen when tracking ended, or, while tracking, as it stands now. Needs
+        ``track(snapshot=...)``."""
+        if not self._options.snapshot:
+            raise TrackerStateError(
+                "Tracker.snapshot() needs the allocation history, which this tracker does not "
+                "record; create it with memsentry.track(..., snapshot=True) (or snapshot=path)"
+            )
+        if self._state is _State.NEW:
+            raise TrackerStateError("Tracker.snapshot() was called before start(); the "
+                                    "history is recorded between start() and stop()")
+        problem = unwritable(path)
+        if problem is not None:
+            raise ValueError(f"Tracker.snapshot({os.fspath(path)!r}): {problem}")
+        data = self._snapshot.data()
+        if data is None:
+            why = " ".join(self._snapshot.notes) or "nothing was recorded."
+            raise TrackerStateError(f"Tracker.snapshot(): no snapshot to write: {why}")
+        return write_snapshot(data, path)
+
     def report(self) -> Report:
         """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with
         the rules' findings; on rank 0 of a process group, once tracking ended, every rank's
@@ -234,6 +274,8 @@ class Tracker:
         if self._rank is None and self._state is _State.ACTIVE:
             self._rank = rank_info()
         where = self._rank
+        if self._snapshot.notes:
+            report = replace(report, notes=(*report.notes, *self._snapshot.notes))
         return replace(report, findings=analyse(report), oom=explain_oom(report),
                        rank=where.rank if where else None,
                        world_size=where.world_size if where else None,

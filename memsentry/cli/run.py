@@ -31,6 +31,10 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="exact peaks (CPU: count every storage, ~1.15x slower; CUDA: "
                              "resets the allocator's peak counter)")
+    parser.add_argument("--snapshot", metavar="FILE",
+                        help="also save the allocation history as the pickle PyTorch's "
+                             "memory_viz opens (https://pytorch.org/memory_viz); on CPU it "
+                             "implies --exact")
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
                              "(e.g. 80GiB), from the batch sizes the run measured")
@@ -71,24 +75,11 @@ def _run_script(args: argparse.Namespace, tracker: Tracker) -> int:
     return 0
 
 
-def _unwritable(path: str) -> str | None:
-    """Why the report cannot be written to ``path`` (checked before the script runs, so a
-    long run never ends with its report lost), or ``None``."""
-    target = os.path.abspath(path)
-    if os.path.isdir(target):
-        return f"{path!r} is a directory; give a file name"
-    folder = os.path.dirname(target)
-    if not os.path.isdir(folder):
-        return f"the folder of {path!r} does not exist; create it first"
-    if os.path.exists(target) and not os.access(target, os.W_OK):
-        return f"{path!r} is not writable"
-    if not os.path.exists(target) and not os.access(folder, os.W_OK):
-        return f"cannot create {path!r}: its folder is not writable"
-    return None
-
-
 def _check(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, before anything runs."""
+    """What is wrong with the arguments, before anything runs (each output file is checked
+    too, so a long run never ends with its report lost)."""
+    from memsentry.record.paths import unwritable  # with torch: `run` is running
+
     if args.module:
         import importlib.util
 
@@ -114,8 +105,9 @@ def _check(args: argparse.Namespace) -> str | None:
 
         if not have_plotly():
             return f"--html: the HTML report needs the plotly package: {INSTALL_HINT}"
-    for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html)):
-        problem = _unwritable(path) if path else None
+    for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html),
+                         ("--snapshot", args.snapshot)):
+        problem = unwritable(path) if path else None
         if problem is not None:
             return f"{option}: {problem}"
     return None
@@ -139,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         return fail("run", problem)
     try:
-        tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore")
+        tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore",
+                          snapshot=bool(args.snapshot))
     except (MemsentryError, TypeError, ValueError) as exc:
         return fail("run", str(exc))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -153,8 +146,26 @@ def run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = tracker.report()
     if report.world_size is not None and report.world_size > 1:
-        return _rank_output(args, tracker, report, code)
-    return _output(args, report, code)
+        code = _rank_output(args, tracker, report, code)
+    else:
+        code = _output(args, report, code)
+    return _save_snapshot(args, tracker, report.rank or 0, code) if args.snapshot else code
+
+
+def _save_snapshot(args: argparse.Namespace, tracker: Tracker, rank: int, code: int) -> int:
+    """``--snapshot FILE``: write the memory_viz snapshot (each rank but 0 to its own
+    ``FILE.rankN``) and say where; 2 (after saying why) when it cannot."""
+    path = args.snapshot if rank == 0 else rank_file(args.snapshot, rank)
+    try:
+        tracker.snapshot(path)
+    except (OSError, ValueError, MemsentryError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        fail("run", f"--snapshot: could not write {path!r} ({reason})")
+        return code or 2
+    size = os.path.getsize(path)
+    print(f"memsentry: memory_viz snapshot written to {path} ({size / 2**10:,.0f} KiB; open it "
+          "at https://pytorch.org/memory_viz)")
+    return code
 
 
 def rank_file(path: str, rank: int) -> str:

@@ -4,6 +4,8 @@
 counters are slow) counts each new tensor storage once, views included, until the storage is
 freed. It knows the true peak inside ops, at a cost of about 1.2x on a training step. The
 pytest plugin uses :class:`StorageCounter` directly, with the line that made each storage.
+Given a :class:`~memsentry.measure.history.History`, the counter also records each storage
+made and freed for PyTorch's memory_viz (``track(snapshot=...)``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memsentry.measure.jitaside as jitaside
 from memsentry.measure.cpu import physical_memory
+from memsentry.measure.history import History
 from memsentry.model import Measured, PeakMode
 from memsentry.usercode.frames import user_site
 from memsentry.usercode.location import Location
@@ -126,12 +129,14 @@ class StorageCounter(_CountingMode):
     line that created each one (``None`` when no user code was on the stack), for leak
     reports. With ``other_devices``,
     ``device_live`` also maps the storages made on other devices (CUDA) that are still alive
-    to (device, bytes, line); they stay out of the CPU figures."""
+    to (device, bytes, line); they stay out of the CPU figures. With a ``history`` (set at
+    any time, ``None`` to stop), every CPU storage made and freed is recorded into it."""
 
     def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
         self.sites: dict[int, Location | None] | None = {} if sites else None
+        self.history: History | None = None
         self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
             {} if other_devices else None
         )
@@ -193,6 +198,8 @@ class StorageCounter(_CountingMode):
         self.live[key] = size
         if self.sites is not None:
             self.sites[key] = user_site()
+        if self.history is not None:
+            self.history.alloc(key, size)
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
@@ -208,9 +215,12 @@ class StorageCounter(_CountingMode):
         weakref.finalize(storage, self.device_live.pop, key, None)
 
     def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        size = self.live.pop(key, 0)
+        self.current -= size
         if self.sites is not None:
             self.sites.pop(key, None)
+        if self.history is not None and size:
+            self.history.free(key, size)
 
 
 class ThreadCounter(_CountingMode):
@@ -258,6 +268,15 @@ class StorageBackend:
 
     def reserved(self) -> int | None:
         return None
+
+    def record_history(self, history: History | None) -> None:
+        """Record every storage made and freed from now on into ``history`` (memory_viz's
+        trace), or stop recording (``None``)."""
+        self._counter.history = history
+
+    def live_storages(self) -> dict[int, int]:
+        """The storages made while tracking and still alive: pointer -> bytes."""
+        return dict(self._counter.live)
 
     def peak_since_last_read(self) -> int | None:
         peak = self._counter.peak

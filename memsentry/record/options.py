@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,9 +10,12 @@ import torch
 
 from memsentry.measure import parse_device
 from memsentry.record.coverage import OVERHEAD
+from memsentry.record.paths import unwritable
 
 OnLeak = Literal["warn", "raise", "ignore"]
 ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
+#: Trace entries a memory_viz snapshot keeps by default (the oldest are dropped).
+SNAPSHOT_ENTRIES = 100_000
 
 
 @dataclass(frozen=True)
@@ -28,12 +32,17 @@ class Options:
     holder_budget: float = 0.5
     overhead: float | None = OVERHEAD
     gather_timeout: float = 60.0
+    snapshot: bool = False
+    snapshot_path: str | None = None
+    snapshot_entries: int = SNAPSHOT_ENTRIES
 
     @classmethod
     def checked(cls, *, device: torch.device | str | int | None, exact: object,
                 saved_tensors: object, backward: object, max_iterations: object,
                 on_leak: object, holders: object, holder_budget: object,
-                overhead: object = OVERHEAD, gather_timeout: object = 60.0) -> Options:
+                overhead: object = OVERHEAD, gather_timeout: object = 60.0,
+                snapshot: object = False,
+                snapshot_entries: object = SNAPSHOT_ENTRIES) -> Options:
         """Options from ``track()``'s arguments; a bad one raises an error naming it and what
         it accepts."""
         flags = {"exact": exact, "saved_tensors": saved_tensors, "backward": backward,
@@ -70,6 +79,14 @@ class Options:
             raise ValueError(
                 f"track(on_leak={on_leak!r}): use one of {', '.join(map(repr, ON_LEAK))}"
             )
+        path = snapshot_path(snapshot)
+        if isinstance(snapshot_entries, bool) or not isinstance(snapshot_entries, int) \
+                or snapshot_entries < 1:
+            raise ValueError(
+                "track(snapshot_entries=...) is the number of memory_viz trace entries kept "
+                f"(the oldest are dropped), an int of at least 1 (default {SNAPSHOT_ENTRIES:,}), "
+                f"got {snapshot_entries!r}"
+            )
         return cls(
             device=parse_device(device) if device is not None else None,
             exact=bool(exact), saved_tensors=bool(saved_tensors), backward=bool(backward),
@@ -77,4 +94,23 @@ class Options:
             holders=bool(holders), holder_budget=float(holder_budget),
             overhead=None if overhead is None else float(overhead),
             gather_timeout=float(gather_timeout),
+            snapshot=snapshot is not False, snapshot_path=path, snapshot_entries=snapshot_entries,
         )
+
+
+def snapshot_path(snapshot: object) -> str | None:
+    """The file ``track(snapshot=...)`` writes at the end (``None`` for ``True`` and
+    ``False``); a bad value, or a path that cannot be written, raises an error saying why."""
+    if isinstance(snapshot, bool):
+        return None
+    path = os.fspath(snapshot) if isinstance(snapshot, str | os.PathLike) else None
+    if not isinstance(path, str) or not path:
+        raise TypeError(
+            "track(snapshot=...) takes False (the default), True (record, then write with "
+            "tracker.snapshot(path)) or the path of the pickle file to write at the end (a str "
+            f"or os.PathLike), for PyTorch's memory_viz; got {snapshot!r}"
+        )
+    problem = unwritable(path)
+    if problem is not None:
+        raise ValueError(f"track(snapshot={path!r}): {problem}")
+    return path
