@@ -179,3 +179,17 @@ def test_run_and_show_write_the_page(tmp_path: Path, capsys: pytest.CaptureFixtu
     # A folder that does not exist is refused before the script runs.
     assert main(["run", "--html", "no/such/r.html", str(REPO / "samples" / "toy.py")]) == 2
     assert "--html" in capsys.readouterr().err
+
+
+def test_ipython_displays_a_report_as_the_page(leaky: Report,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real IPython shell's display formatter picks the HTML; the text stays the plain
+    form (what a terminal or a log shows)."""
+    interactive = pytest.importorskip("IPython.core.interactiveshell")
+    import memsentry.report as report_module
+
+    monkeypatch.setattr(report_module, "_PLOTLY_SENT", False)
+    shell = interactive.InteractiveShell.instance()
+    bundle, _metadata = shell.display_formatter.format(leaky)
+    assert "Findings (" in bundle["text/html"] and "plotly.js v" in bundle["text/html"]
+    assert bundle["text/plain"].startswith("Report(")

@@ -3,6 +3,7 @@ and ``run(args) -> exit code``.
 
 - ``memsentry run script.py [args]``: run a script under tracking and print its report;
 - ``memsentry show REPORT.json``: render a saved report again (text or JSON);
+- ``memsentry diff OLD.json NEW.json``: compare two saved reports; exit 1 past given limits;
 - ``memsentry info``: what this machine offers.
 """
 
@@ -12,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from memsentry.cli import info, run, show
+from memsentry.cli import diff, info, run, show
 from memsentry.version import __version__
 
 #: name -> (help, description, prepare_parser, run)
@@ -30,6 +31,15 @@ _COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None],
         "Read a report saved by `memsentry run --json FILE` or Report.to_json() and print "
         "it as text (with the table options of `memsentry run`) or JSON.",
         show.prepare_parser, show.run,
+    ),
+    "diff": (
+        "compare two saved reports of the same program; exit 1 past given limits",
+        "Compare two reports saved by `memsentry run --json` or Report.to_json(): peak, "
+        "growth per iteration, memory by category at the peak, the layers that changed most "
+        "and the findings that appeared or disappeared. With limits (--max-peak-increase, "
+        "--max-growth-increase, --fail-on-new-findings) the exit code is 1 when the new run "
+        "crosses one, so CI can gate memory regressions; 2 on bad input.",
+        diff.prepare_parser, diff.run,
     ),
     "info": (
         "show torch, devices, allocator and NVML figures",

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from memsentry.cli.args import add_table_options, fail
-from memsentry.report import Report
+from memsentry.cli.files import read_report
 from memsentry.reporters import REPORTERS, HtmlReporter, JsonReporter, Reporter, TextReporter
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 
@@ -25,26 +24,8 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     add_table_options(parser)
 
 
-def _read(path: str) -> Report | str:
-    """The report saved at ``path``, or what is wrong with the file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        return f"no such file: {path!r}"
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"cannot read {path!r}: {exc}"
-    except json.JSONDecodeError as exc:
-        return (f"{path!r} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                "give a file written by `memsentry run --json` or Report.to_json()")
-    try:
-        return Report.from_dict(data)
-    except (ValueError, TypeError, KeyError) as exc:
-        return f"{path!r}: {exc}"
-
-
 def run(args: argparse.Namespace) -> int:
-    report = _read(args.report)
+    report = read_report(args.report)
     if isinstance(report, str):
         return fail("show", report)
     if args.html:

@@ -6,6 +6,18 @@ read them, the reporters format them. Every value round-trips through a plain di
 """
 
 from memsentry.model.breakdown import CATEGORIES, Breakdown, Breakdowns
+from memsentry.model.diff import (
+    Breach,
+    CategoryChange,
+    Change,
+    FindingPair,
+    LayerChange,
+    LimitCheck,
+    Limits,
+    Mismatch,
+    ReportDiff,
+    RunSummary,
+)
 from memsentry.model.findings import Finding, Location, Subject
 from memsentry.model.forecast import Forecast, ForecastPoint
 from memsentry.model.holders import (
@@ -40,10 +52,14 @@ __all__ = [
     "CATEGORIES",
     "SCHEMA_VERSION",
     "Boundary",
+    "Breach",
     "Breakdown",
     "Breakdowns",
+    "CategoryChange",
     "Census",
+    "Change",
     "Finding",
+    "FindingPair",
     "FixKind",
     "Forecast",
     "ForecastMethod",
@@ -55,14 +71,20 @@ __all__ = [
     "HookStats",
     "IterationStats",
     "LayerBytes",
+    "LayerChange",
     "LayerStats",
+    "LimitCheck",
+    "Limits",
     "Location",
     "Measured",
+    "Mismatch",
     "OomFix",
     "OutOfMemory",
     "PeakMode",
     "Phase",
     "ReportData",
+    "ReportDiff",
+    "RunSummary",
     "Scope",
     "ScopeKind",
     "Severity",

@@ -4,11 +4,13 @@ in the page): the iteration timeline and the ranks of a process group.
 Long timelines are thinned on the way in: at most ``at_most`` iterations are drawn, chosen
 per bucket of neighbours so that each bucket keeps its highest peak and its lowest and
 highest allocated figure (a leak's climb, a sawtooth's teeth and every peak stay visible).
-Censuses and findings are marked at their own iteration whatever was thinned.
+Censuses and findings are marked at their own iteration whatever was thinned. Hover texts
+are escaped: plotly reads tags in them.
 """
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -99,7 +101,7 @@ def _stacked(shown: list[IterationStats], scale: int, unit: str) -> list[dict[st
 def _census_text(census: Census) -> str:
     top = sorted(census.holders, key=lambda h: h.bytes, reverse=True)[:3]
     held = "; ".join(f"{h.name} {format_bytes(h.bytes)}" for h in top) or "no holder"
-    return f"census at iteration {census.iteration}: {held}"
+    return html.escape(f"census at iteration {census.iteration}: {held}", quote=False)
 
 
 def _markers(report: ReportData, by_index: dict[int, IterationStats], scale: int,
@@ -138,7 +140,8 @@ def _markers(report: ReportData, by_index: dict[int, IterationStats], scale: int
 def _finding_text(finding: Finding) -> str:
     where = f" [{finding.where}]" if finding.where else ""
     message = finding.message if len(finding.message) <= 90 else finding.message[:89] + "…"
-    return f"{finding.severity.value.upper()} {finding.rule}{where}: {message}"
+    text = f"{finding.severity.value.upper()} {finding.rule}{where}: {message}"
+    return html.escape(text, quote=False)  # plotly reads tags in hover text
 
 
 def _layout(unit: str, title: str, height: int = 380) -> dict[str, Any]:

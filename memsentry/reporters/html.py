@@ -41,17 +41,17 @@ _LAYER_COLUMNS = (
 )
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     return (importlib.resources.files("memsentry.reporters") / "assets" / name).read_text(
         encoding="utf-8")
 
 
-def _text(value: str) -> str:
+def rich_text(value: str) -> str:
     """Escaped text with `backticked` spans as code."""
     return _CODE.sub(r"<code>\1</code>", html.escape(value, quote=False))
 
 
-def _json_for_script(value: Any) -> str:
+def script_json(value: Any) -> str:
     """JSON safe inside a ``<script>`` element (no ``</`` can close it early)."""
     return json.dumps(value, separators=(",", ":")).replace("</", "<\\/")
 
@@ -74,7 +74,7 @@ def _evidence(finding: Finding) -> str:
     return ", ".join(parts)
 
 
-def _finding(dom: str, index: int, finding: Finding) -> str:
+def finding_card(dom: str, index: int, finding: Finding) -> str:
     severity = finding.severity.value
     rank = "" if finding.rank is None else f'<span class="rank">rank {finding.rank}</span>'
     rows = []
@@ -95,8 +95,8 @@ def _finding(dom: str, index: int, finding: Finding) -> str:
         f'<div class="finding sev-{severity}" id="{dom}-f{index}">'
         f'<div class="head"><span class="badge">{severity.upper()}</span>'
         f"<code>{html.escape(finding.rule)}</code>{rank}{jump}</div>"
-        f'<p class="message">{_text(finding.message)}</p><dl>{facts}</dl>'
-        f'<p class="fix"><b>fix:</b> {_text(finding.fix)}</p></div>'
+        f'<p class="message">{rich_text(finding.message)}</p><dl>{facts}</dl>'
+        f'<p class="fix"><b>fix:</b> {rich_text(finding.fix)}</p></div>'
     )
 
 
@@ -104,7 +104,7 @@ def _findings(dom: str, report: ReportData) -> str:
     if not report.findings:
         return ('<section><h2>Findings (0)</h2><p class="none">No finding: no leak, waste or '
                 "hint was seen in this run.</p></section>")
-    cards = "".join(_finding(dom, i, f) for i, f in enumerate(report.findings))
+    cards = "".join(finding_card(dom, i, f) for i, f in enumerate(report.findings))
     return f'<section><h2>Findings ({len(report.findings)})</h2>{cards}</section>'
 
 
@@ -176,7 +176,7 @@ def _layers(report: ReportData) -> str:
             "▾ folds a module's children. Bytes are per call: the worst call after the first.</p>")
 
 
-def _pre(title: str, text: str | None) -> str:
+def pre_section(title: str, text: str | None) -> str:
     if not text:
         return ""
     return f"<section><h2>{title}</h2><pre>{html.escape(text)}</pre></section>"
@@ -185,7 +185,7 @@ def _pre(title: str, text: str | None) -> str:
 def _notes(report: ReportData) -> str:
     if not report.notes:
         return ""
-    items = "".join(f"<li>{_text(note)}</li>" for note in report.notes)
+    items = "".join(f"<li>{rich_text(note)}</li>" for note in report.notes)
     return f"<section><h2>Notes</h2><ul class='notes'>{items}</ul></section>"
 
 
@@ -207,14 +207,14 @@ def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool
         "optimizer.step() or t.step()).</p></section>")
     tables = [
         _folded(f"Layers ({len(report.layers)})", _layers(report), open_=not compact),
-        _pre("Memory at the highest peak", render_breakdown(report)),
-        _pre("Iterations", render_iterations(report)),
+        pre_section("Memory at the highest peak", render_breakdown(report)),
+        pre_section("Iterations", render_iterations(report)),
         _chart(dom, "ranks", "Ranks", figures["ranks"] is not None),
-        _pre("Ranks table", render_ranks(report)),
+        pre_section("Ranks table", render_ranks(report)),
         _notes(report),
     ]
     heading, summary = f"<h1>{html.escape(title)}</h1>", _summary(report)
-    failure, findings = _pre("Out of memory", oom), _findings(dom, report)
+    failure, findings = pre_section("Out of memory", oom), _findings(dom, report)
     if compact:  # what a notebook user looks for first; the tables folded away
         body = [heading, failure, findings, timeline, summary,
                 _folded("Tables and notes", "".join(tables), open_=False)]
@@ -223,9 +223,9 @@ def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool
     data = {"figures": {k: v for k, v in figures.items() if v is not None}}
     scripts = [f"<script>{plotly_js()}</script>"] if with_plotly else []
     scripts.append(f'<script type="application/json" id="{dom}-data">'
-                   f"{_json_for_script(data)}</script>")
-    scripts.append(f"<script>{_asset('report.js')}\nmemsentryRender({json.dumps(dom)});</script>")
-    return (f'<div class="memsentry" id="{dom}"><style>{_asset("report.css")}</style>'
+                   f"{script_json(data)}</script>")
+    scripts.append(f"<script>{asset('report.js')}\nmemsentryRender({json.dumps(dom)});</script>")
+    return (f'<div class="memsentry" id="{dom}"><style>{asset("report.css")}</style>'
             f'{"".join(body)}</div>{"".join(scripts)}')
 
 
@@ -254,4 +254,5 @@ class HtmlReporter:
         out.write(self.text(report) + "\n")
 
 
-__all__ = ["HtmlReporter", "render_fragment", "render_html"]
+__all__ = ["HtmlReporter", "asset", "finding_card", "pre_section", "render_fragment", "render_html",
+           "rich_text", "script_json"]

@@ -1,0 +1,145 @@
+"""``memsentry diff``: compare two saved reports of the same program; fail past limits.
+
+Exit codes: 0 when the new run keeps within the limits given (or none were given), 1 when it
+crosses one (each is named on standard error with the figure seen and the limit), 2 on bad
+input (an unreadable limit, a missing file, a file that is not a report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from memsentry.cli.args import at_least, fail
+from memsentry.cli.files import read_report
+from memsentry.model import LimitCheck, Limits, ReportDiff
+from memsentry.model.diff import parse_growth_increase, parse_increase
+from memsentry.reporters.diff import diff_to_json, render_diff
+from memsentry.reporters.diff_html import render_diff_html
+from memsentry.rules.diff import check, diff
+
+T = TypeVar("T")
+
+
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser whose ``ValueError`` names the value and the forms."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
+
+
+def prepare_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("old", metavar="OLD.json",
+                        help="the report to compare against (memsentry run --json)")
+    parser.add_argument("new", metavar="NEW.json", help="the report of the run to judge")
+    parser.add_argument("--max-peak-increase", metavar="LIMIT", type=_argument(parse_increase),
+                        help="exit 1 when the peak rises by more than this: a share of the "
+                             "old peak (5%%) or a size (64MiB)")
+    parser.add_argument("--max-growth-increase", metavar="SIZE",
+                        type=_argument(parse_growth_increase),
+                        help="exit 1 when memory growth per iteration rises by more than this "
+                             "(1MiB, meaning 1 MiB/iter)")
+    parser.add_argument("--fail-on-new-findings", action="store_true",
+                        help="exit 1 when the new run has a leak or waste finding the old one "
+                             "did not (new hints do not count)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also save the diff (and the limits' verdict) as JSON to FILE")
+    parser.add_argument("--html", metavar="FILE",
+                        help="also write the diff as one self-contained HTML page to FILE: "
+                             "both timelines on one axis (needs memsentry[html])")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the text to FILE instead of standard output")
+    parser.add_argument("--top", type=at_least(1), default=10,
+                        help="layers shown, largest change first (default 10)")
+    parser.add_argument("--width", type=at_least(1), default=100,
+                        help="terminal width the text is fitted to (default 100)")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    share, size = args.max_peak_increase or (None, None)
+    return Limits(max_peak_increase=size, max_peak_increase_share=share,
+                  max_growth_increase=args.max_growth_increase,
+                  fail_on_new_findings=args.fail_on_new_findings)
+
+
+def _write(path: str, text: str, option: str) -> str | None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    except OSError as error:
+        return f"{option}: could not write {path!r} ({error.strerror})"
+    return None
+
+
+def _outputs_problem(args: argparse.Namespace) -> str | None:
+    """What stops the outputs asked for from being written, checked before reading."""
+    from memsentry.record.paths import unwritable  # memsentry.record imports torch
+
+    for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html)):
+        problem = unwritable(path) if path else None
+        if problem is not None:
+            return f"{option}: {problem}"
+    if args.html:
+        from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
+
+        if not have_plotly():
+            return f"--html: the HTML page needs the plotly package: {INSTALL_HINT}"
+    return None
+
+
+def _save(args: argparse.Namespace, change: ReportDiff, verdict: LimitCheck, text: str) -> \
+        str | None:
+    """Write the text (to ``-o`` or standard output), the JSON and the page asked for; what
+    went wrong, if anything."""
+    if args.output:
+        problem = _write(args.output, text, "-o")
+        if problem is not None:
+            return problem
+    else:
+        print(text)
+    if args.json:
+        problem = _write(args.json, diff_to_json(change, check=verdict), "--json")
+        if problem is not None:
+            return problem
+    if args.html:
+        page = render_diff_html(change, check=verdict if verdict.limits.any else None,
+                                top=max(args.top, 25))
+        problem = _write(args.html, page, "--html")
+        if problem is not None:
+            return problem
+        size = os.path.getsize(args.html) / 2**20
+        print(f"memsentry diff: HTML page written to {args.html} ({size:.1f} MiB; it opens "
+              "offline in any browser)", file=sys.stderr)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _outputs_problem(args)
+    if problem is not None:
+        return fail("diff", problem)
+    old = read_report(args.old)
+    if isinstance(old, str):
+        return fail("diff", f"OLD.json: {old}")
+    new = read_report(args.new)
+    if isinstance(new, str):
+        return fail("diff", f"NEW.json: {new}")
+    limits = _limits(args)
+    change = diff(old, new, old_label=args.old, new_label=args.new)
+    verdict = check(change, limits)
+    text = render_diff(change, check=verdict if limits.any else None, top=args.top,
+                       width=args.width)
+    problem = _save(args, change, verdict, text)
+    if problem is not None:
+        return fail("diff", problem)
+    sys.stdout.flush()
+    for breach in verdict.breaches:
+        fail("diff", f"limit crossed: --{breach.limit}: {breach.message}")
+    return 1 if verdict.breaches else 0
