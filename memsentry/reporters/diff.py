@@ -17,14 +17,13 @@ from memsentry.model import CategoryChange, Change, Finding, LimitCheck, ReportD
 from memsentry.model.codec import to_plain
 from memsentry.model.diff import LayerChange, format_rate, format_share
 from memsentry.reporters.breakdown import _LABELS
-from memsentry.reporters.text import _NARROW, _fit
+from memsentry.reporters.text import _NARROW, _fit, fit_layer_rows
 from memsentry.units import format_bytes
 
 _LAYER_HEADERS = (
     ("", "", "activation", "", "", "fwd peak", "", ""),
     ("layer", "type", "old", "new", "change", "old", "new", "change"),
 )
-_MIN_NAME = 12
 
 
 def _bytes_change(change: Change[int], *, sep: str = " ") -> str:
@@ -48,14 +47,16 @@ def _run_line(run: RunSummary) -> str:
     return f"{run.device} ({run.backend}, peaks {run.peak_mode}{torch})"
 
 
-def render_headline(diff: ReportDiff) -> str:
-    """Which runs, then peak, growth, iterations and the findings' count, one a line."""
+def run_lines(diff: ReportDiff) -> list[str]:
+    """Where each run was measured: one line when both were measured alike."""
     old, new = diff.old, diff.new
-    lines = [f"memsentry diff: {old.label} -> {new.label}"]
     if _run_line(old) == _run_line(new):
-        lines.append(f"both on {_run_line(old)}")
-    else:
-        lines += [f"old on {_run_line(old)}", f"new on {_run_line(new)}"]
+        return [f"both on {_run_line(old)}"]
+    return [f"old on {_run_line(old)}", f"new on {_run_line(new)}"]
+
+
+def headline_rows(diff: ReportDiff) -> list[tuple[str, str]]:
+    """(name, text) for the peak, the growth, the iterations and the findings' count."""
     peak = diff.peak
     peak_text = f"{format_bytes(peak.old)} -> {format_bytes(peak.new)}"
     if peak.delta is not None:
@@ -73,7 +74,13 @@ def render_headline(diff: ReportDiff) -> str:
     rows = [("peak", peak_text), ("growth", growth_text + " after warm-up"),
             ("iterations", f"{diff.iterations.old} -> {diff.iterations.new}"),
             ("findings", findings)]
-    lines += [f"{name:<11}{text}" for name, text in rows]
+    return rows
+
+
+def render_headline(diff: ReportDiff) -> str:
+    """Which runs, then peak, growth, iterations and the findings' count, one a line."""
+    lines = [f"memsentry diff: {diff.old.label} -> {diff.new.label}", *run_lines(diff)]
+    lines += [f"{name:<11}{text}" for name, text in headline_rows(diff)]
     if diff.unchanged:
         lines.append("no change: the same peak, growth, category and layer figures, and "
                      "findings")
@@ -122,14 +129,7 @@ def render_layers(diff: ReportDiff, *, top: int | None = 10, width: int = 100) -
                      "  ") if diff.layers else None
     changed = len(diff.largest_layer_changes(None))
     rows = [_layer_row(layer) for layer in shown]
-    every = [*_LAYER_HEADERS, *rows]
-    widths = [max(len(row[i]) for row in every) for i in range(len(_LAYER_HEADERS[0]))]
-    widths[1] = min(widths[1], 12)
-    widths[0] = max(_MIN_NAME, min(widths[0], width - sum(widths[1:]) - (len(widths) - 1)))
-    for row in rows:
-        row[0] = _fit(row[0], widths[0])
-        row[1] = _fit(row[1], widths[1], keep_end=False)
-    rule = ["-" * w for w in widths]
+    rule = fit_layer_rows(_LAYER_HEADERS, rows, width)
     of = f"; {len(shown)} of {changed} shown" if changed > len(shown) else ""
     title = textwrap.fill(
         "Layers that changed most (activation: bytes saved for backward, or the output where "
@@ -276,4 +276,5 @@ def diff_to_json(diff: ReportDiff, *, check: LimitCheck | None = None, indent: i
     return json.dumps(diff_to_dict(diff, check=check), indent=indent)
 
 
-__all__ = ["diff_to_dict", "diff_to_json", "render_check", "render_diff", "render_headline"]
+__all__ = ["diff_to_dict", "diff_to_json", "headline_rows", "render_check", "render_diff",
+           "render_headline", "run_lines"]

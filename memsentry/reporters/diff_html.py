@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from memsentry.model import Finding, IterationStats, LimitCheck, ReportDiff, RunSummary
-from memsentry.model.diff import LayerChange, format_rate, format_share
+from memsentry.model.diff import LayerChange, format_share
 from memsentry.reporters.charts import AT_MOST, thin, unit_for
-from memsentry.reporters.diff import _layer_delta, _run_line, render_check
+from memsentry.reporters.diff import _layer_delta, headline_rows, render_check, run_lines
 from memsentry.reporters.html import asset, finding_card, rich_text, script_json
 from memsentry.reporters.plotly import plotly_js
 from memsentry.units import format_bytes
@@ -142,27 +142,10 @@ def categories_figure(diff: ReportDiff) -> dict[str, Any] | None:
 
 # -- sections -------------------------------------------------------------------------------
 def _headline(diff: ReportDiff) -> str:
-    old, new = diff.old, diff.new
-    items = []
-    if _run_line(old) == _run_line(new):
-        items.append(f"both on {_run_line(old)}")
-    else:
-        items += [f"old on {_run_line(old)}", f"new on {_run_line(new)}"]
-    peak = diff.peak
-    peak_text = f"peak {format_bytes(peak.old)} → {format_bytes(peak.new)}"
-    if peak.delta is not None:
-        peak_text += f" ({format_bytes(peak.delta, signed=True)}"
-        peak_text += f", {format_share(peak.relative)})" if peak.relative is not None else ")"
-    growth = diff.growth
-    growth_text = (f"growth {format_rate(growth.old, signed=True)} → "
-                   f"{format_rate(growth.new, signed=True)} after warm-up")
-    items += [peak_text, growth_text,
-              f"iterations {diff.iterations.old:,} → {diff.iterations.new:,}",
-              f"findings: {len(diff.appeared)} appeared, {len(diff.disappeared)} disappeared, "
-              f"{len(diff.persisted)} in both"]
+    items = [*run_lines(diff), *(f"{name} {text}" for name, text in headline_rows(diff))]
     lis = "".join(f"<li>{html.escape(item)}</li>" for item in items)
-    return (f"<h1>memsentry diff: <code>{html.escape(old.label)}</code> → "
-            f"<code>{html.escape(new.label)}</code></h1><ul class='summary'>{lis}</ul>")
+    return (f"<h1>memsentry diff: <code>{html.escape(diff.old.label)}</code> → "
+            f"<code>{html.escape(diff.new.label)}</code></h1><ul class='summary'>{lis}</ul>")
 
 
 def _verdict(diff: ReportDiff, check: LimitCheck | None) -> str:

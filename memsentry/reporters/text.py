@@ -102,6 +102,21 @@ def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
             "", "", "", "", ""]
 
 
+def fit_layer_rows(headers: Sequence[Sequence[str]], rows: list[list[str]],
+                   width: int) -> list[str]:
+    """Fit a layer table to ``width``: every column but the first two keeps its size, the
+    type (second) is cut to 12 characters and the name (first) gets what is left; ``rows``
+    are cut in place. The rule line under the headers."""
+    every = [*headers, *rows]
+    widths = [max(len(row[i]) for row in every) for i in range(len(headers[0]))]
+    widths[1] = min(widths[1], 12)
+    widths[0] = max(_MIN_NAME, min(widths[0], width - sum(widths[1:]) - (len(widths) - 1)))
+    for row in rows:
+        row[0] = _fit(row[0], widths[0])
+        row[1] = _fit(row[1], widths[1], keep_end=False)
+    return ["-" * w for w in widths]
+
+
 def render_layers(report: ReportData, *, max_depth: int | None, top: int | None, width: int) -> str:
     """The per-layer table, fitted to ``width`` characters."""
     if not report.layers:
@@ -110,15 +125,7 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
     peak = report.breakdown.peak
     rows = [_layer_row(layer, peak) for layer in shown]
     rows.append(_totals_row(report.layers))
-    # Fit to the width: every column but the name keeps its size, the name gets what is left.
-    every = [*_LAYER_HEADERS, *rows]
-    widths = [max(len(row[i]) for row in every) for i in range(len(_LAYER_HEADERS[0]))]
-    widths[1] = min(widths[1], 12)
-    widths[0] = max(_MIN_NAME, min(widths[0], width - sum(widths[1:]) - (len(widths) - 1)))
-    for row in rows:
-        row[0] = _fit(row[0], widths[0])
-        row[1] = _fit(row[1], widths[1], keep_end=False)
-    rule = ["-" * w for w in widths]
+    rule = fit_layer_rows(_LAYER_HEADERS, rows, width)
     hidden = len(report.layers) - len(shown)
     title = "Layers (bytes per call: the worst call after the first, which carries one-time set-up"
     if hidden:
