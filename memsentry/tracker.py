@@ -12,6 +12,8 @@ import json
 import os
 import sys
 import warnings
+import weakref
+from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
 
@@ -36,6 +38,27 @@ class _State(enum.Enum):
     NEW = "new"
     ACTIVE = "active"
     STOPPED = "stopped"
+
+
+def checked_names(names: object) -> list[tuple[str, object, str]]:
+    """``track(names=...)`` as given, or an error saying what it takes."""
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence | tuple | list):
+        raise TypeError(f"track(names=...) takes a sequence of (name, object, role) tuples, "
+                        f"e.g. [('self', module, 'LightningModule')]; got {names!r}")
+    checked = []
+    for entry in names:
+        if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                and entry[0].isidentifier() and isinstance(entry[2], str)):
+            raise TypeError(f"track(names=...): each entry is (name, object, role), the name "
+                            f"a Python identifier such as 'self'; got {entry!r}")
+        try:
+            weakref.ref(entry[1])
+        except TypeError:
+            raise TypeError(f"track(names=...): {type(entry[1]).__name__} objects cannot be "
+                            "held weakly, and memsentry never keeps what it watches alive; "
+                            "leave this one out") from None
+        checked.append(entry)
+    return checked
 
 
 class Tracker:
@@ -69,6 +92,10 @@ class Tracker:
     records it; on the CPU the exact storage counter does, so ``snapshot`` turns ``exact`` on
     where the device is the CPU (a note in the report says so). ``snapshot_entries``: the
     trace entries kept, the oldest dropped (a CPU storage takes five: made and freed).
+    ``names``: objects a framework runs, each with the name its own methods spell it by and
+    what it is, as ``(name, object, role)``: ``("self", lightning_module, "LightningModule")``.
+    The holder search starts from them, so a list in ``self.step_losses`` is named so, with
+    the line in the class that fills it, not by the framework's path to it. Held weakly.
     """
 
     def __init__(
@@ -87,6 +114,7 @@ class Tracker:
         gather_timeout: float = 60.0,
         snapshot: bool | str | os.PathLike[str] = False,
         snapshot_entries: int = SNAPSHOT_ENTRIES,
+        names: Sequence[tuple[str, object, str]] = (),
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -102,7 +130,7 @@ class Tracker:
         self._options = with_snapshot_options(checked, model)
         self._snapshot = SnapshotRecording(self._options,
                                            exact_implied=self._options.exact != checked.exact)
-        self._recorder = Recorder(model, self._options)
+        self._recorder = Recorder(model, self._options, checked_names(names))
         self._state = _State.NEW
         self._rank: RankInfo | None = None
         self._combined: Report | None = None  # rank 0's, once every rank handed its in

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memsentry.rules",),
     ("memsentry.reporters",),
     ("memsentry.report", "memsentry.tracker"),
-    ("memsentry.cli", "memsentry.__main__", "memsentry"),
+    ("memsentry.cli", "memsentry.integrations", "memsentry.__main__", "memsentry"),
     ("pytest_memsentry",),
 )
 MAX_MODULE_LINES = 450

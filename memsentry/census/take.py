@@ -9,9 +9,11 @@ classes. Every holder is named the way the code spells it.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -44,6 +46,7 @@ from memsentry.usercode.frames import (
     frame_locals,
     release_locals,
     running_frames,
+    source_file,
     user_frames,
     user_modules,
 )
@@ -51,6 +54,15 @@ from memsentry.usercode.lines import growth_line, short_path
 
 #: A root given to :func:`find_holders`: its path, the object, what it is and where it lives.
 Root = tuple[tuple[Step, ...], Any, HolderKind, Scope | None]
+#: An object a framework runs (a LightningModule, a callback), the name its own methods spell
+#: it by (``self``) and what it is (``LightningModule``): its attributes are named from it.
+Named = tuple[str, Any, str]
+
+
+#: IPython's other names for its output history (``_oh`` is ``Out``, ``_5`` is ``Out[5]``,
+#: ``_`` the last result) and its input history: left out so the results are named ``Out[n]``,
+#: one container that grows, not one root per cell.
+_IPYTHON_ALIASES = re.compile(r"_oh|_\d+|_{1,3}|_i+|_i\d+|_ih|_dh|In")
 
 
 def _root(name: str) -> tuple[Step, ...]:
@@ -65,8 +77,9 @@ def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: s
     else:
         scope = Scope(ScopeKind.MODULE, module_name)
     files = (path,) if path else ()
+    ipython = "Out" in namespace and "_oh" in namespace and "In" in namespace
     for name, value in list(namespace.items()):
-        if name.startswith("__"):
+        if name.startswith("__") or (ipython and _IPYTHON_ALIASES.fullmatch(name)):
             continue
         defined_here = isinstance(value, CALLABLES) and walks_into(value) \
             and getattr(value, "__module__", None) == module_name
@@ -141,11 +154,20 @@ def take_census(
     skip: set[int],
     budget: float,
     garbage: GarbageStats | None,
+    named: Sequence[Named] = (),
 ) -> Census:
-    """Name the holders of every tensor reachable from the user's frames (innermost first),
-    their modules' globals, the model and the user's classes, within ``budget`` seconds."""
+    """Name the holders of every tensor reachable from the ``named`` objects, the user's
+    frames (innermost first), their modules' globals, the model and the user's classes, within
+    ``budget`` seconds."""
     started = time.perf_counter()
     walk = Walk(Budget(budget), static, skip, live_frames=running_frames(frame))
+    for name, obj, role in named:  # first: where both reach a tensor, the user's spelling wins
+        cls = type(obj)
+        source = source_file(cls)
+        walk.add_root(obj, _root(name), HolderKind.INSTANCE,
+                      Scope(ScopeKind.CLASS, f"{role} {cls.__name__}", short_path(source)
+                            if source else None),
+                      SourceHint(name, (source,) if source else ()))
     namespaces: dict[int, tuple[dict[str, Any], str, str | None]] = {}
     _add_frames(walk, frame, namespaces)
     for module in user_modules():
@@ -157,7 +179,7 @@ def take_census(
                       SourceHint("last_value"))
     for namespace, module_name, path in namespaces.values():
         add_globals(walk, namespace, module_name, path)
-    if model is not None:
+    if model is not None and all(obj is not model for _, obj, _ in named):
         name = type(model).__name__
         walk.add_root(model, _root(name), HolderKind.MODEL, None, SourceHint(name))
     for _name, called in modules:

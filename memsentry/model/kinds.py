@@ -80,6 +80,7 @@ class HolderKind(_Text):
     GLOBAL = "global"
     CLASS_ATTRIBUTE = "class attribute"
     MODEL = "model"
+    INSTANCE = "instance"  # an object a framework runs, named as its own methods spell it
     GRADIENT = "gradient"
     TEST_INSTANCE = "test instance"
     FIXTURE = "fixture"

@@ -12,6 +12,7 @@ import sys
 import time
 import types
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -80,8 +81,11 @@ def nested_step(optimizer: torch.optim.Optimizer, frames: int = 40) -> bool:
 class Recorder:
     """Records memory per layer and per iteration between :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, model: nn.Module | None, options: Options) -> None:
+    def __init__(self, model: nn.Module | None, options: Options,
+                 named: Sequence[tuple[str, Any, str]] = ()) -> None:
         self.options = options
+        # Objects a framework runs, by the name their methods spell them (held weakly).
+        self._named = [(name, weakref.ref(obj), role) for name, obj, role in named]
         self.device = options.device
         if self.device is None and model is not None:
             self.device = device_of_module(model)
@@ -183,6 +187,7 @@ class Recorder:
         self._primary_optimizer = None
         self._signals.forget_modules()
         self._model_ref = None
+        self._named = []
 
     def _start_backend(self, device: torch.device) -> None:
         self.device = device
@@ -281,7 +286,9 @@ class Recorder:
         model = self._model_ref() if self._model_ref is not None else None
         handles = [*self._handles, *self._forward.module_handles()]
         own = {handle.id for handle in handles if hasattr(handle, "id")}
-        return {"model": model, "own_hooks": own, "skip": {id(self)}}
+        named = [(name, obj, role) for name, ref, role in self._named
+                 if (obj := ref()) is not None]
+        return {"model": model, "own_hooks": own, "skip": {id(self)}, "named": named}
 
     def failed(self, error: BaseException) -> None:
         """The block ends with ``error``: an out-of-memory error is explained in the report;

@@ -6,12 +6,13 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from memsentry.census import garbage_census, take_census
-from memsentry.census.take import GRAPH_SHARE
+from memsentry.census.take import GRAPH_SHARE, Named
 from memsentry.model import Census
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.sampler import Sampler
@@ -62,7 +63,7 @@ class CensusSchedule:
             self._full_freed += max(0, self._full_start - backend.allocated())
 
     def take(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
-             skip: set[int]) -> None:
+             skip: set[int], named: Sequence[Named] = ()) -> None:
         """One census now, labelled with the ``iteration`` whose boundary it judges; a failure
         becomes a note, never the user's exception."""
         backend = self._sampler.backend
@@ -91,6 +92,7 @@ class CensusSchedule:
                     skip=skip,
                     budget=self.budget,
                     garbage=garbage,
+                    named=named,
                 )
             finally:
                 if enabled:
@@ -107,13 +109,13 @@ class CensusSchedule:
         self._sampler.own += backend.allocated() - before
 
     def take_pending(self, *, model: nn.Module | None, own_hooks: set[int],
-                     skip: set[int]) -> float:
+                     skip: set[int], named: Sequence[Named] = ()) -> float:
         """Take the census due at the last boundary now; returns the seconds it took."""
         iteration, self.pending = self.pending, None
         if iteration is None:
             return 0.0
         started = time.perf_counter()
-        self.take(iteration, model=model, own_hooks=own_hooks, skip=skip)
+        self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named)
         return time.perf_counter() - started
 
     def forget_since(self, iteration: int) -> None:

@@ -138,7 +138,7 @@ def retained_graph(report: ReportData) -> list[Finding]:
 def _is_attribute(holder: HolderStats) -> bool:
     if holder.path and holder.path[-1] == TRACEBACK:
         return False  # a kept exception's frames: the exception-frames rule says it better
-    if holder.kind in (HolderKind.CLASS_ATTRIBUTE, HolderKind.MODEL):
+    if holder.kind in (HolderKind.CLASS_ATTRIBUTE, HolderKind.MODEL, HolderKind.INSTANCE):
         return True
     return any(step.kind == StepKind.ATTRIBUTE for step in until_subscript(holder.path))
 

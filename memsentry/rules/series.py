@@ -198,6 +198,8 @@ def describe_holder(holder: HolderStats) -> str:
         HolderKind.GLOBAL: f"a global of {holder.scope}" if holder.scope else "a global",
         HolderKind.CLASS_ATTRIBUTE: "a class attribute, shared by every instance",
         HolderKind.MODEL: "the tracked model",
+        HolderKind.INSTANCE: f"an attribute of `{holder.root}`, the {holder.scope.name}"
+        if holder.scope else f"an attribute of `{holder.root}`",
         HolderKind.GRADIENT: f"{holder.items} parameter .grad tensors" if holder.items
         else "a parameter's .grad",
     }

@@ -21,7 +21,13 @@ MACHINERY = frozenset(
     {"torch", "memsentry", "pytest_memsentry", "_pytest", "pytest", "pluggy", "IPython",
      "ipykernel", "traitlets", "tornado", "asyncio", "runpy", "importlib", "contextlib",
      "functools", "threading", "unittest", "typing", "abc", "collections", "numpy", "xdist",
-     "execnet", "coverage", "debugpy", "pydevd"}
+     "execnet", "coverage", "debugpy", "pydevd",
+     # training frameworks and what they bring: their loops' frames, globals and objects are
+     # not the user's code (a holder reached only through them is named from the user's side)
+     "lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities",
+     "torchmetrics", "transformers", "accelerate", "huggingface_hub", "safetensors",
+     "tokenizers", "datasets", "peft", "deepspeed", "tqdm", "rich", "tensorboard",
+     "tensorboardX", "wandb", "mlflow", "jsonargparse", "fsspec"}
 )
 _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
 
