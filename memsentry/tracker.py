@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
-from memsentry.model import ReportData, Severity
+from memsentry.model import Finding, ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
 from memsentry.record.options import SNAPSHOT_ENTRIES
 from memsentry.record.paths import unwritable
@@ -38,6 +38,18 @@ class _State(enum.Enum):
     NEW = "new"
     ACTIVE = "active"
     STOPPED = "stopped"
+
+
+def leak_text(report: ReportData) -> tuple[str, tuple[Finding, ...]] | None:
+    """The message of a :class:`~memsentry.LeakWarning` or :class:`~memsentry.LeakError`
+    about ``report``'s leaks, and the leaks; ``None`` when it has none."""
+    leaks = tuple(f for f in report.findings if f.severity is Severity.LEAK)
+    if not leaks:
+        return None
+    lines = [f"memsentry found {len(leaks)} leak(s):"]
+    lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: {f.message}. "
+              f"Fix: {f.fix}" for f in leaks]
+    return "\n".join(lines), leaks
 
 
 def checked_names(names: object) -> list[tuple[str, object, str]]:
@@ -230,13 +242,10 @@ class Tracker:
             self._combined = None
 
     def _signal_leaks(self, *, raising: bool) -> None:
-        leaks = tuple(f for f in self.report().findings if f.severity is Severity.LEAK)
-        if not leaks:
+        found = leak_text(self.report())
+        if found is None:
             return
-        lines = [f"memsentry found {len(leaks)} leak(s):"]
-        lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: {f.message}. "
-                  f"Fix: {f.fix}" for f in leaks]
-        text = "\n".join(lines)
+        text, leaks = found
         if self._options.on_leak == "raise" and not raising:
             raise LeakError(text, leaks)
         if self._rank is not None and self._rank.rank != 0 and self._rank.world_size > 1:
