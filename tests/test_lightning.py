@@ -6,6 +6,8 @@ result, no exception and leaves no hook behind."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -298,3 +300,55 @@ def test_the_pytorch_lightning_package_has_its_own_callback() -> None:
     assert callback.report is not None
     [leak] = leaks(callback.report)
     assert leak.subject is not None and leak.subject.name == "self.kept"
+
+
+DDP_SCRIPT = '''
+import warnings
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from memsentry.integrations.lightning import MemsentryCallback
+
+
+class Classifier(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(16, 3)
+        self.step_losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        if self.global_rank == 1:
+            self.step_losses.append(loss)  # the leak, on rank 1 only
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 16), torch.randint(0, 3, (512,)))
+    callback = MemsentryCallback(print_report=False, on_leak="ignore",
+                                 report_path=REPORT)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", strategy="ddp", devices=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])
+    trainer.fit(Classifier(), DataLoader(data, batch_size=16))
+'''
+
+
+def test_ddp_on_two_cpu_processes_combines_both_ranks_on_rank_0(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_train.py"
+    report_path = tmp_path / "report.json"
+    script.write_text(f"REPORT = {str(report_path)!r}\n" + DDP_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads(report_path.read_text())
+    assert saved["world_size"] == 2 and {r["rank"] for r in saved["ranks"]} == {0, 1}
+    found = [(f["rank"], f["subject"]["name"]) for f in saved["findings"]
+             if f["severity"] == "leak"]
+    assert found == [(1, "self.step_losses")]
