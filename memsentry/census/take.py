@@ -69,15 +69,22 @@ def _root(name: str) -> tuple[Step, ...]:
     return (Step(StepKind.ROOT, name),)
 
 
+def _interactive_name() -> str:
+    """What to call an IPython shell's namespace: a Jupyter kernel's is the notebook's."""
+    return "the notebook" if "ipykernel" in sys.modules else "the IPython session"
+
+
 def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: str | None, *,
                 classes: bool = False) -> None:
     """A module's globals as roots (and, with ``classes``, its classes' attributes)."""
-    if module_name == "__main__" and path:
+    ipython = "Out" in namespace and "_oh" in namespace and "In" in namespace
+    if ipython:  # the shell's namespace, whichever cell is running: not one cell's globals
+        scope = Scope(ScopeKind.SCRIPT, _interactive_name())
+    elif module_name == "__main__" and path:
         scope = Scope(ScopeKind.SCRIPT, short_path(path))
     else:
         scope = Scope(ScopeKind.MODULE, module_name)
     files = (path,) if path else ()
-    ipython = "Out" in namespace and "_oh" in namespace and "In" in namespace
     for name, value in list(namespace.items()):
         if name.startswith("__") or (ipython and _IPYTHON_ALIASES.fullmatch(name)):
             continue

@@ -33,6 +33,11 @@ OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types
           torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
           torch.autograd.graph.Node)
 _CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+#: Packages whose objects are never walked into: memsentry's own, and the test runner's (a
+#: test's ``request`` or ``capsys`` reaches the whole session, every collected test; the
+#: test's own values are met through its locals first).
+_NOT_WALKED = frozenset({"memsentry", "pytest_memsentry", "_pytest", "pluggy", "xdist",
+                         "execnet"})
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
 _MAX_DEPTH = 12
 _CHECK_EVERY = 256
@@ -384,7 +389,7 @@ class Walk:
             if item.depth < _MAX_DEPTH:
                 self._enqueue_children(item, obj, type(obj), captured(obj))
             return
-        if isinstance(obj, OPAQUE) or type(obj).__module__.startswith("memsentry"):
+        if isinstance(obj, OPAQUE) or root_package(type(obj).__module__) in _NOT_WALKED:
             return
         if isinstance(obj, nn.Module) and item.frozen:
             holder = self._holder(item)  # a model kept in a container: count it, whole
