@@ -1,7 +1,8 @@
 """memsentry: find PyTorch memory leaks and say why memory grows, who holds it, how to fix it.
 
 The public names load on first use, so that ``import memsentry.units`` (sizes for the pytest
-plugin's options) does not import torch.
+plugin's options) does not import torch. ``%load_ext memsentry`` loads the notebook magics
+(:mod:`memsentry.integrations.notebook`); importing memsentry never imports IPython.
 """
 
 from __future__ import annotations
@@ -175,6 +176,22 @@ if TYPE_CHECKING:
     from memsentry.rules import RULES, analyse
     from memsentry.tracker import Tracker, track
     from memsentry.units import format_bytes, parse_size
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext memsentry``: the ``%%memsentry``, ``%memsentry start|stop`` and
+    ``%memsentry_report`` magics in this IPython shell or Jupyter kernel."""
+    from memsentry.integrations.notebook import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext memsentry``: stop tracking across cells and remove the magics."""
+    from memsentry.integrations.notebook import unload
+
+    unload(ipython)
+
 
 def __getattr__(name: str) -> Any:
     # Not cached in this module's namespace: the name always resolves through sys.modules, so

@@ -3,15 +3,17 @@
 
 Findings name a ``file:line``; the line where a frame happens to stand (``opt.step()``) says
 little, the line that accumulates says what to change. Files are parsed once (cached by
-path and modification time); nothing here raises.
+path and modification time); code that has no file of its own (a notebook's cell) is read
+from :mod:`linecache`, where IPython keeps it. Nothing here raises.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import linecache
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 #: Calls that grow a container in place.
 _GROWING_METHODS = frozenset(
@@ -30,10 +32,23 @@ def _mtime(path: str) -> float | None:
 @functools.lru_cache(maxsize=64)
 def _parse(path: str, mtime: float | None) -> ast.Module | None:
     try:
-        with open(path, encoding="utf-8") as handle:
-            return ast.parse(handle.read(), filename=path)
+        return ast.parse(_source(path), filename=path)
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return None
+
+
+def _source(path: str) -> str:
+    """The text of ``path``; for code compiled from a string (a notebook cell, named
+    ``<ipython-input-5-...>`` or a kernel's temporary file that was never written), the
+    lines :mod:`linecache` keeps for it. Raises ``OSError`` when there is neither."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError:
+        lines = linecache.getlines(path)
+        if not lines:
+            raise
+        return "".join(lines)
 
 
 def _tree(path: str) -> ast.Module | None:
@@ -145,8 +160,30 @@ def call_line(path: str | None, method: str, argument: str | None = None) -> int
     return min(lines) if lines else None
 
 
+#: Names code without a file of its own by the name it was compiled under (``In[5]`` for a
+#: notebook cell), or says ``None``; set by the notebook integration while it is loaded.
+_labeler: Callable[[str], str | None] | None = None
+
+
+def label_sources(labeler: Callable[[str], str | None] | None) -> None:
+    """Name code compiled from strings in findings with ``labeler`` (a notebook's cells as
+    ``In[5]``, not ``<ipython-input-5-9f3a...>`` or a kernel's temporary file); ``None``
+    stops."""
+    global _labeler
+    _labeler = labeler
+
+
 def short_path(path: str) -> str:
-    """``path`` relative to the working directory when inside it, else as it is."""
+    """``path`` relative to the working directory when inside it, else as it is; a notebook
+    cell by its label (``In[5]``) while the notebook integration is loaded."""
+    labeler = _labeler
+    if labeler is not None:
+        try:
+            label = labeler(path)
+        except Exception:
+            label = None
+        if label:
+            return label
     return _relative(path, os.getcwd())
 
 
