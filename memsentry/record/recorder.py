@@ -41,6 +41,7 @@ from memsentry.record.forward import ForwardRecorder
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
 from memsentry.record.parts import Parts
+from memsentry.record.passes import PlainPasses
 from memsentry.record.ranks import remember_store
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
@@ -57,6 +58,12 @@ def read_counters(backend: MemoryBackend) -> Counters:
     if backend.device.type == "cuda":
         nvml = asdict(nvml_query(backend.device.index or 0))
     return backend.stats(), nvml
+
+
+def first_device(values: Any) -> torch.device:
+    """The device of the first tensor in ``values`` (the CPU without one)."""
+    tensors = tensors_in(values)
+    return parse_device(tensors[0].device) if tensors else torch.device("cpu")
 
 
 _STEP_WRAPPER = optimizer_module.__file__
@@ -101,6 +108,7 @@ class Recorder:
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
         self._roots = RootCalls(self._clock, self._backward_ended)
+        self._plain = PlainPasses(self._plain_backward)
         self._signals = Signals()
         self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
         self._forward = ForwardRecorder(
@@ -111,7 +119,6 @@ class Recorder:
             iteration_start=self._outermost_call,
         )
         self._handles: list[Any] = []
-        self._primary_optimizer: weakref.ref[torch.optim.Optimizer] | None = None
         self._overall_peak = 0
         self._final: tuple[int, int | None, Counters] | None = None
         self._oom: OutOfMemory | None = None
@@ -142,6 +149,7 @@ class Recorder:
             self._handles += [register_module_forward_pre_hook(forward.pre_forward),
                               register_module_forward_hook(forward.post_forward, always_call=True)]
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        self._plain.install()
         if self.options.holders:
             gc.callbacks.append(self._censuses.gc_event)
 
@@ -168,6 +176,7 @@ class Recorder:
     def _teardown(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._plain.remove()
         self._handles.clear()
         self._forward.unhook_modules()
         if self._censuses.gc_event in gc.callbacks:
@@ -184,7 +193,6 @@ class Recorder:
         if self._backward is not None:
             self._backward.close()
         self._registry.clear_modules()
-        self._primary_optimizer = None
         self._signals.forget_modules()
         self._model_ref = None
         self._named = []
@@ -199,25 +207,25 @@ class Recorder:
     def _start_lazily(self, module: nn.Module, args: Any) -> None:
         """Tracking without a device on a CUDA machine: pick the device at the first module
         call, so memsentry never initialises CUDA in a script that does not use it."""
-        device = device_of_module(module)
-        if device is None:
-            tensors = tensors_in(args)
-            device = parse_device(tensors[0].device) if tensors else torch.device("cpu")
-        self._start_backend(device)
+        self._start_backend(device_of_module(module) or first_device(args))
 
     # -- iterations ------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.active or nested_step(optimizer):
             return
-        if self._primary_optimizer is None or self._primary_optimizer() is None:
-            self._primary_optimizer = weakref.ref(optimizer)
         self._parts.add_optimizer(optimizer)
-        if self._primary_optimizer() is not optimizer:
-            return  # a second optimizer (GAN, multi-task) steps inside the same iteration
-        self._signal(Boundary.OPTIMIZER)
+        if self._signals.primary(optimizer):  # not a second one (GAN, multi-task)
+            self._signal(Boundary.OPTIMIZER)
 
     def _backward_ended(self) -> None:
         if self.active:
+            self._signal(Boundary.BACKWARD)
+
+    def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
+        """A backward pass where no module was called (weights updated by hand) ends here."""
+        if self.active and not self._signals.module_seen:
+            if self._sampler.backend is None:
+                self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)
 
     def _outermost_call(self, module: nn.Module) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import weakref
 
+import torch
 from torch import nn
 
 from memsentry.model import Boundary
@@ -34,6 +35,14 @@ class Signals:
     def __init__(self) -> None:
         self.signal: Boundary | None = None
         self._first: weakref.ref[nn.Module] | None = None
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+
+    def primary(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a step of ``optimizer`` is an OPTIMIZER event: the first optimizer to step
+        (while it lives) is the loop's; the others step inside its iterations."""
+        if self._optimizer is None or self._optimizer() is None:
+            self._optimizer = weakref.ref(optimizer)
+        return self._optimizer() is optimizer
 
     def repeats_first_call(self, module: nn.Module) -> bool:
         """Whether an outermost call of ``module`` is a new call of the first outermost module
@@ -44,8 +53,13 @@ class Signals:
             return False
         return first is module
 
+    @property
+    def module_seen(self) -> bool:
+        """Whether an outermost module call was seen (its backward passes close iterations)."""
+        return self._first is not None
+
     def forget_modules(self) -> None:
-        self._first = None
+        self._first = self._optimizer = None
 
     def decide(self, event: Boundary, *, calls_since: int) -> Action:
         """What ``event`` does, ``calls_since`` module calls after the last boundary."""

@@ -1,0 +1,76 @@
+"""Backward passes that no module hook sees: a loop with no ``nn.Module`` and no optimizer
+(weights as plain tensors updated by hand, as in many tutorials and notebooks) has no other
+event to close its iterations.
+
+While tracking, ``torch.autograd.backward`` (which ``Tensor.backward`` calls) is wrapped: the
+wrapper runs the original unchanged, with the same arguments, result and exceptions, and after
+a pass that returned tells the recorder. The original is put back at the end, unless something
+else replaced it since (it is then left alone, and the wrapper does nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.autograd
+
+from memsentry.record.backward import tensors_in
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    check = getattr(compiler, "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+#: The trackers listening now, and torch's function with the wrapper put in its place (one
+#: wrapper however many trackers run, so that nesting never chains wrappers).
+_listeners: list[PlainPasses] = []
+_installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(tensors, *args, **kwargs)
+        if _listeners and not _compiling():
+            started = tensors_in(tensors)
+            for listener in list(_listeners):
+                try:
+                    listener.ended(started)
+                except Exception:  # measuring never breaks the user's backward
+                    pass
+        return result
+
+    return backward
+
+
+class PlainPasses:
+    """Calls ``ended(tensors)`` after each ``torch.autograd.backward`` that returned, while
+    installed; ``tensors`` are those the pass started from."""
+
+    def __init__(self, ended: Callable[[list[torch.Tensor]], None]) -> None:
+        self.ended = ended
+
+    def install(self) -> None:
+        global _installed
+        if self in _listeners:
+            return
+        if _installed is None or torch.autograd.backward is not _installed[1]:
+            original = torch.autograd.backward
+            _installed = (original, _wrap(original))
+            torch.autograd.backward = _installed[1]
+        _listeners.append(self)
+
+    def remove(self) -> None:
+        global _installed
+        if self in _listeners:
+            _listeners.remove(self)
+        if not _listeners and _installed is not None:
+            original, wrapper = _installed
+            if torch.autograd.backward is wrapper:  # else someone replaced it since: leave it
+                torch.autograd.backward = original
+            _installed = None
