@@ -331,17 +331,18 @@ def class_attribute_cache(steps: int) -> memsentry.Report:
 
 
 class LastOutput(nn.Module):
-    """#11, single attribute: ``self.last = y`` pins one graph."""
+    """#11, single attribute: ``self.last = h`` pins one graph and its 2 MiB of features."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear = nn.Linear(32, 10)
+        self.hidden = nn.Linear(32, 8192)
+        self.head = nn.Linear(8192, 10)
         self.last: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        self.last = y
-        return y
+        h = self.hidden(x)
+        self.last = h
+        return self.head(h)
 
 
 def module_attribute_pins_a_graph(steps: int) -> memsentry.Report:
@@ -528,6 +529,31 @@ def loss_item_summed(steps: int) -> memsentry.Report:
     return t.report()
 
 
+class RunningMean:
+    """A metric in the style of torchmetrics' ``MeanMetric``: it keeps the last value it was
+    given, graph and all, in ``_forward_cache`` (replaced at each call)."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+        self._forward_cache: torch.Tensor | None = None
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        self._forward_cache = value.clone()
+        self.total, self.count = self.total + value.item(), self.count + 1
+        return self._forward_cache
+
+
+def metric_caches_its_last_loss(steps: int) -> memsentry.Report:
+    """#30: a metric object that keeps one scalar loss with its graph: a few bytes and nodes,
+    replaced every step, nothing to change code for."""
+    model, opt = _setup()
+    train_loss = RunningMean()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(steps):
+            train_loss(_train_step(model, opt))
+    return t.report()
+
+
 # -- time ----------------------------------------------------------------------------------------
 def slow_data(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for _ in range(steps):
@@ -622,4 +648,6 @@ SCENARIOS: tuple[Scenario, ...] = (
              float_list_cleared_every_epoch, steps=12),
     Scenario("loss.item() summed", "#1 fixed", "not a leak", None, None, None,
              loss_item_summed),
+    Scenario("metric caches its last loss", "#30", "not a leak", None, None, None,
+             metric_caches_its_last_loss),
 )

@@ -70,6 +70,12 @@ def _merge(path: tuple[Step, ...], entries: list[HolderStats | None]) -> HolderS
     )
 
 
+#: What one graph pinned by an attribute must keep (its tensors and saved activations) to be
+#: worth a WASTE finding: a metric that caches a 4-byte loss with its graph (torchmetrics'
+#: ``_forward_cache``) costs nothing worth changing code for.
+PINNED_MIN_BYTES = 1 << 20
+
+
 @rule(RETAINED_GRAPH, severities={Severity.LEAK, Severity.WASTE}, causes={Severity.LEAK})
 def retained_graph(report: ReportData) -> list[Finding]:
     """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
@@ -92,7 +98,8 @@ def retained_graph(report: ReportData) -> list[Finding]:
             findings.append(_gradient_finding(last, nodes, saved, growing))
             continue
         if not growing:
-            if kept and not count.climbs() and _is_attribute(last):
+            if kept and not count.climbs() and _is_attribute(last) \
+                    and last.bytes + last.graph_saved_bytes >= PINNED_MIN_BYTES:
                 findings.append(_pinned_graph(last, nodes.iterations[-1]))
             continue
         most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
