@@ -73,6 +73,13 @@ def checked_names(names: object) -> list[tuple[str, object, str]]:
     return checked
 
 
+def _outside(method: str) -> TrackerStateError:
+    return TrackerStateError(
+        f"Tracker.{method}() was called outside its with-block (or before start() or after "
+        "stop()); call it inside `with memsentry.track(...) as t:`"
+    )
+
+
 class Tracker:
     """Track memory per layer and per iteration (``memsentry.track``).
 
@@ -258,11 +265,17 @@ class Tracker:
         After the first call, optimizer steps no longer mark iterations.
         """
         if self._state is not _State.ACTIVE:
-            raise TrackerStateError(
-                "Tracker.step() was called outside its with-block (or before start() or after "
-                "stop()); call it inside `with memsentry.track(...) as t:`"
-            )
+            raise _outside("step")
         self._recorder.step()
+
+    def census(self) -> None:
+        """Search for who holds tensors now, besides the censuses of iterations 2, 3, 4, 6,
+        10, 18, ...: at an epoch's end, after evaluation, a holder that grows only there
+        (outputs an evaluation loop keeps) is seen growing before the schedule gets there.
+        Does nothing during warm-up or when a census of the last iteration exists."""
+        if self._state is not _State.ACTIVE:
+            raise _outside("census")
+        self._recorder.census()
 
     # -- results -------------------------------------------------------------------------
     @property

@@ -12,7 +12,7 @@ import torch
 from conftest import make_mlp
 
 import memsentry
-from memsentry import REPORTERS, Report
+from memsentry import REPORTERS, Report, Severity
 from memsentry.cli import main
 from memsentry.reporters import Reporter, make_reporter
 
@@ -32,7 +32,9 @@ def leaky_report() -> Report:
             opt.zero_grad()
             kept.append(out)
     report = t.report()
-    assert [f.rule for f in report.findings] == ["tensor-accumulation"]
+    # (timing hints such as input-bound may join on a loaded machine; the verdicts may not)
+    assert [f.rule for f in report.findings if f.severity is not Severity.HINT] == [
+        "tensor-accumulation"]
     return report
 
 

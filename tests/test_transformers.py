@@ -140,6 +140,43 @@ def test_a_callback_that_keeps_outputs_is_named_as_self_probe_logits(tmp_path: P
     assert "self.probe_logits.append" in line_of(found[0])
 
 
+class KeepsEvalLogits:
+    """A ``preprocess_logits_for_metrics`` that keeps every evaluation batch's logits."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.kept.append(logits)
+        return logits.argmax(-1)
+
+
+def accuracy(prediction: Any) -> dict[str, float]:
+    return {"accuracy": float((prediction.predictions == prediction.label_ids).mean())}
+
+
+def test_outputs_kept_by_each_evaluation_are_found_in_three_epochs(tmp_path: Path) -> None:
+    # The list grows only while the trainer evaluates, at each epoch's end (iterations 7, 15
+    # and 23): the census taken after each evaluation sees it grow; the doubling schedule
+    # alone (iterations 2, 3, 4, 6, 10, 18) would see it twice.
+    keeper = KeepsEvalLogits()
+    callback = MemsentryCallback(print_report=False, on_leak="ignore")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), num_train_epochs=3, per_device_train_batch_size=8,
+        per_device_eval_batch_size=8, eval_strategy="epoch", report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, seed=0, data_seed=0)
+    transformers.Trainer(model=model(), args=args, train_dataset=Tokens(),
+                         eval_dataset=Tokens(32), callbacks=[callback],
+                         preprocess_logits_for_metrics=keeper,
+                         compute_metrics=accuracy).train()  # the chained call, as users write it
+    assert len(keeper.kept) == 3 * 4
+    assert callback.report is not None
+    [leak] = leaks(callback.report)
+    assert leak.rule == "tensor-accumulation"
+    assert leak.subject is not None and leak.subject.name == "keeper.kept"
+    assert "self.kept.append(logits)" in line_of(leak)
+
+
 def test_results_are_bitwise_the_same_with_the_callback(tmp_path: Path) -> None:
     plain = train(tmp_path / "a", [], KeepsLosses)
     tracked = train(tmp_path / "b", [MemsentryCallback(print_report=False, on_leak="ignore")],

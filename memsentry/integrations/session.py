@@ -124,8 +124,17 @@ class TrainingSession:
         self.tracker = Tracker(model, on_leak="ignore", names=names, **self.options)
         self.tracker.start()
 
-    def epoch_end(self, epoch: int) -> Report | None:
-        """With ``per_epoch``, the report so far, saved beside the final one; else ``None``."""
+    def census(self) -> None:
+        """A census now (an epoch's end, after evaluation): a holder that grows only at epoch
+        ends is seen growing in short runs, not only once the doubling schedule reaches it."""
+        if self.tracker is not None and self.tracker.active:
+            self.tracker.census()
+
+    def epoch_end(self, epoch: int, *, census: bool = True) -> Report | None:
+        """The end of an epoch: a census (with ``census``); with ``per_epoch``, the report
+        so far, saved beside the final one, else ``None``."""
+        if census:
+            self.census()
         if not self.per_epoch or not self.active:
             return None
         assert self.tracker is not None
@@ -141,6 +150,8 @@ class TrainingSession:
         has logged the report."""
         if self.tracker is None or not self.tracker.active:
             return self.report
+        if error is None:
+            self.census()  # what the last epochs' evaluations kept, before the report
         self.report = self.tracker.stop(error)
         self.tracker = None
         if self.report_path is not None and self.report.rank in (None, 0):

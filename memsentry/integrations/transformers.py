@@ -50,16 +50,19 @@ def _calling_trainer() -> Trainer | None:
 def _guard(trainer: Trainer, session: TrainingSession) -> None:
     """Make ``trainer.train()`` stop tracking when it raises (a ``TrainerCallback`` has no
     exception hook): the hooks come off and the report keeps the post-mortem; the exception
-    goes on as it was. The wrapper holds the trainer weakly (no cycle keeps it alive)."""
+    goes on as it was. Until its first call the wrapper holds the trainer (in
+    ``Trainer(...).train()`` nothing else does once ``.train`` is looked up); from then on,
+    weakly, so no cycle outlives the call."""
     if "train" in vars(trainer):
         return
     owner = weakref.ref(trainer)
+    first: list[Trainer] = [trainer]
     method = type(trainer).train
 
     @functools.wraps(method)
     def train(*args: Any, **kwargs: Any) -> Any:
-        current = owner()
-        assert current is not None  # it is calling us
+        current = first.pop() if first else owner()
+        assert current is not None  # it is calling us: looked up on a live trainer
         try:
             return method(current, *args, **kwargs)
         except BaseException as error:
@@ -119,9 +122,13 @@ class MemsentryCallback(TrainerCallback):
         self.session.start(model, names)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        report = self.session.epoch_end(round(state.epoch or 0) - 1)
+        # The epoch's evaluation comes after this hook: its census is taken in on_evaluate.
+        report = self.session.epoch_end(round(state.epoch or 0) - 1, census=False)
         if report is not None:
             self._log(state, report)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.census()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         report = self.session.finish()

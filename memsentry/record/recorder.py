@@ -66,6 +66,15 @@ def first_device(values: Any) -> torch.device:
     return parse_device(tensors[0].device) if tensors else torch.device("cpu")
 
 
+def nothing_measured(device: torch.device | None) -> ReportData:
+    """The recording of a tracker that never picked a device: no module ran, no pass ended."""
+    return ReportData(
+        device=str(device) if device is not None else "unknown", backend="none", baseline=0,
+        notes=("No module ran and no iteration ended while tracking: nothing measured.",),
+        torch_version=torch.__version__,
+    )
+
+
 _STEP_WRAPPER = optimizer_module.__file__
 
 
@@ -224,9 +233,7 @@ class Recorder:
     def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
         """A backward pass where no module was called (weights updated by hand) ends here."""
         if self.active and not self._signals.module_seen:
-            if self._sampler.backend is None:
-                self._start_backend(first_device(tensors))
-            self._signal(Boundary.BACKWARD)
+            self._signal(Boundary.BACKWARD, tensors)
 
     def _outermost_call(self, module: nn.Module) -> None:
         """Before an outermost module call: the next call of the first outermost module
@@ -239,15 +246,23 @@ class Recorder:
         if self._censuses.pending is not None:
             self._clock.started += self._censuses.take_pending(**self._census_roots())
 
+    def census(self) -> None:
+        """A census now, as of the last boundary; its time is not the iteration's."""
+        if self.active and self.options.holders and self._sampler.backend is not None:
+            roots = self._census_roots()
+            self._clock.started += self._censuses.take_now(self._clock.index - 1, **roots)
+
     def step(self) -> None:
         """Close an iteration here; from the first call on, weaker signals no longer do."""
         if self._sampler.backend is None:
             self._start_backend(self.device or torch.device("cpu"))
         self._signal(Boundary.STEP)
 
-    def _signal(self, event: Boundary) -> None:
+    def _signal(self, event: Boundary, tensors: list[torch.Tensor] | None = None) -> None:
         if self._sampler.backend is None:
-            return
+            if tensors is None:
+                return
+            self._start_backend(first_device(tensors))  # no module ran to pick the device
         action = self._signals.decide(event, calls_since=self._clock.calls)
         if action is not Action.IGNORE:
             self._close_iteration(event, merge=action is Action.MERGE)
@@ -309,13 +324,7 @@ class Recorder:
         """What was recorded so far (also while recording), frozen, without findings."""
         backend = self._sampler.backend
         if backend is None:
-            return ReportData(
-                device=str(self.device) if self.device is not None else "unknown",
-                backend="none",
-                baseline=0,
-                notes=("No module ran and no iteration ended while tracking: nothing measured.",),
-                torch_version=torch.__version__,
-            )
+            return nothing_measured(self.device)
         if self.active or self._final is None:
             allocated = self._sampler.sample()
             reserved, counters = backend.reserved(), read_counters(backend)

@@ -118,6 +118,19 @@ class CensusSchedule:
         self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named)
         return time.perf_counter() - started
 
+    def take_now(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
+                 skip: set[int], named: Sequence[Named] = ()) -> float:
+        """A census asked for between boundaries (a framework's epoch end, after its
+        evaluation; the end of training), judged as of ``iteration``, the last one closed:
+        the pending census if there is one, else a new one unless ``iteration`` has one or
+        is still in warm-up. Returns the seconds it took."""
+        if self.pending is None:
+            if iteration < FIRST_CENSUS or any(c.iteration == iteration
+                                               for c in self.censuses[-1:]):
+                return 0.0
+            self.pending = iteration
+        return self.take_pending(model=model, own_hooks=own_hooks, skip=skip, named=named)
+
     def forget_since(self, iteration: int) -> None:
         """Censuses of iterations from ``iteration`` on judged parts of an iteration that were
         merged into one: they are dropped, as is a pending one."""
