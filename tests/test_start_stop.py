@@ -176,3 +176,34 @@ def test_the_user_error_between_start_and_stop_is_not_swallowed() -> None:
         finally:
             report = tracker.stop()
     assert report.layers and not model[0]._forward_hooks
+
+
+def _epochs(census: bool) -> Report:
+    """Three epochs of eight steps; each epoch ends with an evaluation that keeps its
+    outputs in ``kept`` (never cleared), followed by ``t.census()`` when asked."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept: list[torch.Tensor] = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _epoch in range(3):
+            for _ in range(8):
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                kept.extend(model(torch.randn(8, 16)) for _ in range(4))
+            if census:
+                t.census()
+    return t.report()
+
+
+def test_census_on_demand_sees_what_grows_only_at_epoch_ends() -> None:
+    assert [f for f in _epochs(census=False).findings if f.severity.value == "leak"] == []
+    report = _epochs(census=True)
+    found = [f for f in report.findings if f.severity.value == "leak"]
+    assert [f.subject.name for f in found if f.subject] == ["kept"]
+    assert {7, 15} <= {c.iteration for c in report.censuses}  # the epoch ends
+    tracker = memsentry.track(on_leak="ignore")
+    with pytest.raises(TrackerStateError, match="outside its with-block"):
+        tracker.census()
