@@ -103,3 +103,18 @@ def test_cuda_outputs_kept_with_their_graph_and_headroom() -> None:
     assert rules["missing-no-grad"].severity is memsentry.Severity.WASTE
     # A tiny model on a large GPU: the headroom hint estimates a far larger batch.
     assert "memory-headroom" in rules and "batch 256" in rules["memory-headroom"].message
+
+
+def test_a_hook_registered_every_step_is_located_where_it_is_registered() -> None:
+    import scenarios
+
+    report = scenarios.hooks_registered_every_step(STEPS)
+    (finding,) = report.findings
+    lines = open(scenarios.__file__, encoding="utf-8").read().splitlines()
+    registered = lines.index("            model.head.register_forward_hook(log_activation)") + 1
+    defined = lines.index("def log_activation(module: nn.Module, args: tuple, output: "
+                          "torch.Tensor) -> None:") + 1
+    assert finding.location is not None and finding.location.line == registered
+    message = " ".join(finding.message.split())
+    assert f"scenarios.py:{registered}, defined at " in message
+    assert f"scenarios.py:{defined})" in message

@@ -9,21 +9,25 @@ from typing import Any
 from torch import nn
 
 from memsentry.model import HookStats, Location
-from memsentry.usercode.lines import short_path
+from memsentry.usercode.lines import register_line, short_path
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
 
 
-def _describe_hook(hook: Any) -> tuple[str | None, Location | None]:
+def _describe_hook(hook: Any) -> tuple[str | None, Location | None, Location | None]:
+    """The hook's name, where it is defined and the line of its file that registers it."""
     while hasattr(hook, "func") and not hasattr(hook, "__code__"):  # functools.partial
         hook = hook.func
     hook = getattr(hook, "__func__", hook)
     code = getattr(hook, "__code__", None)
     if code is None:
-        return type(hook).__name__, None
-    return code.co_name, Location(short_path(code.co_filename), code.co_firstlineno, code.co_name)
+        return type(hook).__name__, None, None
+    path = short_path(code.co_filename)
+    line = register_line(code.co_filename, code.co_name)
+    return (code.co_name, Location(path, code.co_firstlineno, code.co_name),
+            Location(path, line) if line is not None else None)
 
 
 def _count_hooks(module: str | None, dicts: Iterable[dict[int, Any] | None], own: set[int],
@@ -35,8 +39,7 @@ def _count_hooks(module: str | None, dicts: Iterable[dict[int, Any] | None], own
                 count += 1
                 newest = hook
     if count:
-        hook_name, where = _describe_hook(newest)
-        out.append(HookStats(module, count, hook_name, where))
+        out.append(HookStats(module, count, *_describe_hook(newest)))
 
 
 def hook_census(modules: Iterable[tuple[str, nn.Module]], own: set[int]) -> tuple[HookStats, ...]:

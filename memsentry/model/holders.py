@@ -55,12 +55,14 @@ class HolderStats:
 @dataclass(frozen=True)
 class HookStats:
     """User hooks registered on one module (``module=None``: registered globally), memsentry's
-    own left out. ``hook`` names the newest hook function and ``where`` its definition."""
+    own left out. ``hook`` names the newest hook function, ``where`` its definition and
+    ``registered`` the line that registers it (``None`` where no such line was found)."""
 
     module: str | None
     count: int
     hook: str | None = None
     where: Location | None = None
+    registered: Location | None = None
 
 
 @dataclass(frozen=True)

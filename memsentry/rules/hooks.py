@@ -23,6 +23,8 @@ def hook_accumulation(report: ReportData) -> list[Finding]:
         assert last is not None
         owner = "hooks registered globally" if module is None else f"`{module}`"
         newest = f"`{last.hook}`" if last.hook else "a hook"
+        if last.registered:
+            newest += f", registered at {last.registered}"
         if last.where:
             newest += f", defined at {last.where}"
         message = (
@@ -37,7 +39,8 @@ def hook_accumulation(report: ReportData) -> list[Finding]:
         )
         findings.append(
             Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
-                    bytes=None, rate=None, objects=last.count, location=last.where,
+                    bytes=None, rate=None, objects=last.count,
+                    location=last.registered or last.where,
                     subject=Subject(SubjectKind.MODULE, module or "<global hooks>"),
                     iteration=count.iterations[-1])
         )

@@ -145,6 +145,19 @@ def _walk(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | 
         yield from _walk(child, inner)
 
 
+def register_line(path: str | None, hook: str) -> int | None:
+    """The first line in ``path`` that registers ``hook`` (``x.register_forward_hook(hook)``,
+    ``t.register_hook(self.hook)``, any ``register_*hook`` method given that name)."""
+    tree = _tree(path) if path else None
+    if tree is None:
+        return None
+    lines = [node.lineno for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr.startswith("register_") and node.func.attr.endswith("hook")
+             and any(hook in _names(arg) for arg in node.args)]
+    return min(lines) if lines else None
+
+
 def call_line(path: str | None, method: str, argument: str | None = None) -> int | None:
     """The first line in ``path`` calling ``.method(...)`` (with ``argument`` among the
     names it is passed, when given)."""
