@@ -157,8 +157,8 @@ def accuracy(prediction: Any) -> dict[str, float]:
 
 def test_outputs_kept_by_each_evaluation_are_found_in_three_epochs(tmp_path: Path) -> None:
     # The list grows only while the trainer evaluates, at each epoch's end (iterations 7, 15
-    # and 23): the census taken after each evaluation sees it grow; the doubling schedule
-    # alone (iterations 2, 3, 4, 6, 10, 18) would see it twice.
+    # and 23): the censuses taken after the evaluations (15 and 23; 7 is next to the one of
+    # 6) see it grow; the doubling schedule alone (2, 3, 4, 6, 10, 18) would see it twice.
     keeper = KeepsEvalLogits()
     callback = MemsentryCallback(print_report=False, on_leak="ignore")
     args = transformers.TrainingArguments(

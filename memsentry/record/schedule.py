@@ -122,10 +122,13 @@ class CensusSchedule:
                  skip: set[int], named: Sequence[Named] = ()) -> float:
         """A census asked for between boundaries (a framework's epoch end, after its
         evaluation; the end of training), judged as of ``iteration``, the last one closed:
-        the pending census if there is one, else a new one unless ``iteration`` has one or
-        is still in warm-up. Returns the seconds it took."""
+        the pending census if there is one, else a new one unless ``iteration`` is still in
+        warm-up or within one iteration of the last census. (Scheduled censuses are taken as
+        the next iteration begins, this one as the last ends: one iteration apart, they could
+        see the same state and read a steady growth as a pause.) Returns the seconds it
+        took."""
         if self.pending is None:
-            if iteration < FIRST_CENSUS or any(c.iteration == iteration
+            if iteration < FIRST_CENSUS or any(iteration - c.iteration < 2
                                                for c in self.censuses[-1:]):
                 return 0.0
             self.pending = iteration
