@@ -119,6 +119,18 @@ def test_a_10k_iteration_timeline_is_thinned_keeping_every_peak() -> None:
     assert len(page) < len(plotly_source.plotly_js()) + 1_000_000
 
 
+def test_a_short_run_has_a_tick_at_each_whole_iteration_only() -> None:
+    mib = 2**20
+    short = Report(device="cpu", backend="cpu-storages", baseline=0, peak=9 * mib,
+                   iterations=tuple(_iteration(i, mib, 9 * mib) for i in range(4)))
+    figure = timeline_figure(short)
+    assert figure is not None and figure["layout"]["xaxis"]["dtick"] == 1  # no 0.5, 1.5, ...
+    long = Report(device="cpu", backend="cpu-storages", baseline=0, peak=9 * mib,
+                  iterations=tuple(_iteration(i, mib, 9 * mib) for i in range(200)))
+    figure = timeline_figure(long)
+    assert figure is not None and "dtick" not in figure["layout"]["xaxis"]  # plotly's choice
+
+
 def test_notebook_display_is_compact_and_sends_plotly_once(leaky: Report,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import memsentry.report as report_module

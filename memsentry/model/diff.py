@@ -57,7 +57,8 @@ class RunSummary:
     ``memory-growth`` rule fits it (``None`` with fewer than two complete iterations after
     warm-up); ``iterations`` counts the iterations a boundary closed (thinned-out ones
     included); ``parts`` is the breakdown at the highest iteration peak, when recorded;
-    ``timeline`` holds the complete iterations, for drawing the two runs on one axis."""
+    ``timeline`` holds every iteration, the partial one at the end of tracking included
+    (where the run's peak may be), for drawing the two runs on one axis."""
 
     label: str
     device: str
@@ -78,7 +79,8 @@ class LayerChange:
     backward (its output bytes where nothing was measured as saved), ``forward_peak`` the
     highest memory its forward added, both of its largest call. A layer in one run only is
     ``added`` (new run only) or ``removed`` (old run only); its figures in the other are
-    ``None``."""
+    ``None``. Forward-peak changes smaller than ``noise`` bytes are not changes (runs
+    measured on the process heap read a few KiB of the heap's own bookkeeping into them)."""
 
     name: str
     type: str
@@ -86,6 +88,7 @@ class LayerChange:
     forward_peak: Change[int]
     in_old: bool = True
     in_new: bool = True
+    noise: int = 0
 
     @property
     def added(self) -> bool:
@@ -100,9 +103,10 @@ class LayerChange:
         """How much the layer changed, in bytes: the larger of its activation and forward
         peak changes (for a layer in one run only, its figures there)."""
         sizes = []
-        for change in (self.activation, self.forward_peak):
+        for change, noise in ((self.activation, 0), (self.forward_peak, self.noise)):
             figure = change.new if self.added else change.old if self.removed else change.delta
-            sizes.append(abs(figure or 0))
+            sizes.append(abs(figure or 0) if self.added or self.removed
+                         or abs(figure or 0) >= noise else 0)
         return max(sizes)
 
 

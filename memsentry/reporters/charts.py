@@ -50,6 +50,18 @@ def unit_for(largest: float) -> tuple[int, str]:
     return 1, "B"
 
 
+#: Up to this many iterations, the axis has a tick at each (plotly would put some halfway).
+WHOLE_TICKS = 12
+
+
+def iteration_axis(title: str, iterations: Sequence[IterationStats]) -> dict[str, Any]:
+    """The x axis of a timeline: whole iterations only."""
+    axis: dict[str, Any] = {"title": {"text": title}, "zeroline": False}
+    if iterations and max(it.index for it in iterations) <= WHOLE_TICKS:
+        axis["dtick"] = 1
+    return axis
+
+
 def thin(iterations: Sequence[IterationStats], at_most: int = AT_MOST) -> list[IterationStats]:
     """At most about ``at_most`` of ``iterations``, in order, keeping per bucket of neighbours
     the one with the highest peak and those with the lowest and highest allocated figure."""
@@ -181,6 +193,7 @@ def timeline_figure(report: ReportData, *, at_most: int = AT_MOST) -> dict[str, 
     if len(shown) < len(report.iterations):
         title += f" ({len(shown):,} drawn: the highest peak and the allocated range per bucket)"
     layout = _layout(unit, title)
+    layout["xaxis"] = iteration_axis("iteration", report.iterations)
     if stacked:  # the parts below the lines, on the same iterations
         layout["height"] = 560
         layout["yaxis"]["domain"] = [0.45, 1]

@@ -16,7 +16,7 @@ from typing import Any
 
 from memsentry.model import Finding, IterationStats, LimitCheck, ReportDiff, RunSummary
 from memsentry.model.diff import LayerChange, format_share
-from memsentry.reporters.charts import AT_MOST, thin, unit_for
+from memsentry.reporters.charts import AT_MOST, iteration_axis, thin, unit_for
 from memsentry.reporters.diff import _layer_delta, headline_rows, render_check, run_lines
 from memsentry.reporters.html import asset, finding_card, rich_text, script_json
 from memsentry.reporters.plotly import plotly_js
@@ -112,6 +112,7 @@ def runs_figure(diff: ReportDiff, cards: Sequence[tuple[int, Finding, str]], *,
     title = (f"Both runs on one axis: old {diff.old.iterations:,} iterations, new "
              f"{diff.new.iterations:,}")
     layout = _layout(unit, title, height=400, x_title="iteration")
+    layout["xaxis"] = iteration_axis("iteration", [it for run in runs for it in run.timeline])
     layout["hovermode"] = "x"
     return {"data": traces, "layout": layout}
 

@@ -48,7 +48,7 @@ def summarise(report: ReportData, label: str) -> RunSummary:
         peak_mode=report.peak_mode, torch_version=report.torch_version, peak=report.peak,
         growth=growth_per_iteration(report.iterations, warmup=WARMUP),
         iterations=len(closed) + report.dropped_iterations, parts=report.breakdown.peak,
-        timeline=tuple(closed),
+        timeline=tuple(report.iterations),  # drawn whole: the end of a run may hold its peak
     )
 
 
@@ -93,19 +93,26 @@ def _activation(layer: LayerStats | None) -> int | None:
     return layer.saved_bytes if layer.saved_bytes is not None else layer.output_bytes
 
 
-def _layer_change(name: str, old: LayerStats | None, new: LayerStats | None) -> LayerChange:
+#: Forward-peak changes below this are noise where a run was measured on the process heap.
+HEAP_NOISE = 4096
+
+
+def _layer_change(name: str, old: LayerStats | None, new: LayerStats | None,
+                  noise: int) -> LayerChange:
     shown = new if new is not None else old
     return LayerChange(
         name=name, type=shown.type if shown is not None else "",
         activation=Change(_activation(old), _activation(new)),
         forward_peak=Change(old.forward_peak if old else None, new.forward_peak if new else None),
-        in_old=old is not None, in_new=new is not None,
+        in_old=old is not None, in_new=new is not None, noise=noise,
     )
 
 
-def match_layers(old: Sequence[LayerStats], new: Sequence[LayerStats]) -> tuple[LayerChange, ...]:
+def match_layers(old: Sequence[LayerStats], new: Sequence[LayerStats], *, noise: int = 0
+                 ) -> tuple[LayerChange, ...]:
     """The layers of both runs matched by name: the new run's in its order (those the old
-    run lacks ``added``), then the old run's the new one lacks (``removed``)."""
+    run lacks ``added``), then the old run's the new one lacks (``removed``); forward-peak
+    changes under ``noise`` bytes do not count."""
     old_by_name: dict[str, LayerStats] = {}
     for layer in old:
         old_by_name.setdefault(layer.name, layer)
@@ -115,8 +122,9 @@ def match_layers(old: Sequence[LayerStats], new: Sequence[LayerStats]) -> tuple[
     for layer in new:
         if layer.name not in seen:
             seen.add(layer.name)
-            changes.append(_layer_change(layer.name, old_by_name.get(layer.name), layer))
-    changes.extend(_layer_change(name, layer, None) for name, layer in old_by_name.items()
+            changes.append(_layer_change(layer.name, old_by_name.get(layer.name), layer,
+                                         noise))
+    changes.extend(_layer_change(name, layer, None, noise) for name, layer in old_by_name.items()
                    if name not in new_names)
     return tuple(changes)
 
@@ -169,8 +177,10 @@ def diff(old: ReportData, new: ReportData, *, old_label: str = "old",
     name them in the rendering (their files, say)."""
     before, after = summarise(old, old_label), summarise(new, new_label)
     appeared, disappeared, persisted = match_findings(old.findings, new.findings)
+    heap = Measured.HEAP in (old.measured, new.measured)
     return ReportDiff(
-        old=before, new=after, layers=match_layers(old.layers, new.layers),
+        old=before, new=after,
+        layers=match_layers(old.layers, new.layers, noise=HEAP_NOISE if heap else 0),
         appeared=appeared, disappeared=disappeared, persisted=persisted,
         mismatches=mismatches(before, after),
     )
