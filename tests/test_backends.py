@@ -52,6 +52,43 @@ def test_default_cpu_backend_is_mallinfo() -> None:
     assert isinstance(make_backend(torch.device("cpu"), exact=True), StorageBackend)
 
 
+@needs_glibc
+@pytest.mark.parametrize("slow", [False, True])
+def test_reads_at_saved_tensor_packs_stop_when_the_heap_makes_them_slow(
+        slow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from memsentry.record import sampler
+
+    packs = []
+    real_sample = sampler.Sampler.sample_at_pack
+
+    def counted(self: sampler.Sampler) -> None:
+        packs.append(1)
+        real_sample(self)
+
+    monkeypatch.setattr(sampler.Sampler, "sample_at_pack", counted)
+    if slow:  # what a heap fragmented by kept graphs does to mallinfo2()
+        real = MallinfoBackend.sample
+
+        def fragmented(self: MallinfoBackend) -> tuple[int, int | None]:
+            time.sleep(0.0004)
+            return real(self)
+
+        monkeypatch.setattr(MallinfoBackend, "sample", fragmented)
+    model = make_mlp()
+    with memsentry.track(model, on_leak="ignore") as t:
+        losses = train(model, 120)  # 2 packs a forward: 240 in all
+    report = t.report()
+    said = [n for n in report.notes if "saved-tensor packs" in n]
+    if slow:
+        assert len(packs) == sampler.PACK_SAMPLES_JUDGED  # no read at a pack after that
+        assert len(said) == 1 and "track(exact=True)" in said[0]
+    else:
+        assert len(packs) >= 200 and said == []
+    assert len(report.iterations) == 120 and len(losses) == 120
+
+
 # -- exact storage counting --------------------------------------------------------------------
 
 

@@ -365,6 +365,6 @@ class ForwardRecorder:
             _count_saved(call, tensor, packed, self._parts.live if self._parts.due else None,
                          self._registry.static_storages)
             if call.measured and self._sampler.in_ops:
-                self._sampler.sample()
+                self._sampler.sample_at_pack()
             self.coverage.count(started)
         return packed

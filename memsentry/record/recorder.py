@@ -330,9 +330,9 @@ class Recorder:
             reserved, counters = backend.reserved(), read_counters(backend)
         else:  # read at the end of recording
             allocated, reserved, counters = self._final
-        notes = (*backend.notes, *self._censuses.errors, *filter(None, [self._signals.note()]),
-                 *coverage_notes(self._coverage, self._registry),
-                 *self._censuses.budget_notes(), *self._forward.compiled_notes())
+        notes = (*backend.notes, *self._sampler.notes, *self._censuses.errors,
+                 *filter(None, [self._signals.note()]), *coverage_notes(self._coverage,
+                 self._registry), *self._censuses.budget_notes(), *self._forward.compiled_notes())
         return ReportData(
             device=str(backend.device), backend=backend.name, baseline=self._sampler.baseline,
             layers=self._registry.freeze(), iterations=tuple(self._timeline.items),
