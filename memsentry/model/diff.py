@@ -104,9 +104,11 @@ class LayerChange:
         peak changes (for a layer in one run only, its figures there)."""
         sizes = []
         for change, noise in ((self.activation, 0), (self.forward_peak, self.noise)):
-            figure = change.new if self.added else change.old if self.removed else change.delta
-            sizes.append(abs(figure or 0) if self.added or self.removed
-                         or abs(figure or 0) >= noise else 0)
+            if self.added or self.removed:
+                sizes.append(abs((change.new if self.added else change.old) or 0))
+            else:
+                size = abs(change.delta or 0)
+                sizes.append(size if size >= noise else 0)
         return max(sizes)
 
 

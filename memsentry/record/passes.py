@@ -19,13 +19,6 @@ import torch.autograd
 
 from memsentry.record.backward import tensors_in
 
-
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    check = getattr(compiler, "is_compiling", None)
-    return bool(check()) if check is not None else False
-
-
 #: The trackers listening now, and torch's function with the wrapper put in its place (one
 #: wrapper however many trackers run, so that nesting never chains wrappers).
 _listeners: list[PlainPasses] = []
@@ -36,7 +29,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(tensors, *args, **kwargs)
-        if _listeners and not _compiling():
+        if _listeners and not torch.compiler.is_compiling():
             started = tensors_in(tensors)
             for listener in list(_listeners):
                 try:

@@ -233,7 +233,9 @@ class Recorder:
     def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
         """A backward pass where no module was called (weights updated by hand) ends here."""
         if self.active and not self._signals.module_seen:
-            self._signal(Boundary.BACKWARD, tensors)
+            if self._sampler.backend is None:  # no module ran to pick the device
+                self._start_backend(first_device(tensors))
+            self._signal(Boundary.BACKWARD)
 
     def _outermost_call(self, module: nn.Module) -> None:
         """Before an outermost module call: the next call of the first outermost module
@@ -258,11 +260,9 @@ class Recorder:
             self._start_backend(self.device or torch.device("cpu"))
         self._signal(Boundary.STEP)
 
-    def _signal(self, event: Boundary, tensors: list[torch.Tensor] | None = None) -> None:
+    def _signal(self, event: Boundary) -> None:
         if self._sampler.backend is None:
-            if tensors is None:
-                return
-            self._start_backend(first_device(tensors))  # no module ran to pick the device
+            return
         action = self._signals.decide(event, calls_since=self._clock.calls)
         if action is not Action.IGNORE:
             self._close_iteration(event, merge=action is Action.MERGE)

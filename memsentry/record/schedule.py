@@ -128,8 +128,8 @@ class CensusSchedule:
         see the same state and read a steady growth as a pause.) Returns the seconds it
         took."""
         if self.pending is None:
-            if iteration < FIRST_CENSUS or any(iteration - c.iteration < 2
-                                               for c in self.censuses[-1:]):
+            near = bool(self.censuses) and iteration - self.censuses[-1].iteration < 2
+            if iteration < FIRST_CENSUS or near:
                 return 0.0
             self.pending = iteration
         return self.take_pending(model=model, own_hooks=own_hooks, skip=skip, named=named)

@@ -158,21 +158,6 @@ def register_line(path: str | None, hook: str) -> int | None:
     return min(lines) if lines else None
 
 
-def call_line(path: str | None, method: str, argument: str | None = None) -> int | None:
-    """The first line in ``path`` calling ``.method(...)`` (with ``argument`` among the
-    names it is passed, when given)."""
-    tree = _tree(path) if path else None
-    if tree is None:
-        return None
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == method:
-            if argument is None or any(argument in _names(arg) for arg in node.args):
-                lines.append(node.lineno)
-    return min(lines) if lines else None
-
-
 #: Names code without a file of its own by the name it was compiled under (``In[5]`` for a
 #: notebook cell), or says ``None``; set by the notebook integration while it is loaded.
 _labeler: Callable[[str], str | None] | None = None
