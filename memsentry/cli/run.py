@@ -155,16 +155,14 @@ def run(args: argparse.Namespace) -> int:
 def _save_snapshot(args: argparse.Namespace, tracker: Tracker, rank: int, code: int) -> int:
     """``--snapshot FILE``: write the memory_viz snapshot (each rank but 0 to its own
     ``FILE.rankN``) and say where; 2 (after saying why) when it cannot."""
+    from memsentry.cli.files import reason, snapshot_saved
+
     path = args.snapshot if rank == 0 else rank_file(args.snapshot, rank)
     try:
-        tracker.snapshot(path)
+        print(f"memsentry: {snapshot_saved(tracker, path)}")
     except (OSError, ValueError, MemsentryError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
-        fail("run", f"--snapshot: could not write {path!r} ({reason})")
+        fail("run", f"--snapshot: could not write {path!r} ({reason(error)})")
         return code or 2
-    size = os.path.getsize(path)
-    print(f"memsentry: memory_viz snapshot written to {path} ({size / 2**10:,.0f} KiB; open it "
-          "at https://pytorch.org/memory_viz)")
     return code
 
 
@@ -225,14 +223,11 @@ def _output(args: argparse.Namespace, report: Report, code: int) -> int:
 
 def write_html(report: Report, path: str, command: str) -> int:
     """Save the HTML report to ``path`` and say where; 2 (after saying why) when it cannot."""
+    from memsentry.cli.files import html_saved, reason
     from memsentry.reporters.plotly import ChartsUnavailable
 
     try:
-        report.to_html(path)
+        print(f"memsentry: {html_saved(report, path)}")
     except (OSError, ChartsUnavailable) as error:
-        reason = error.strerror if isinstance(error, OSError) else str(error)
-        return fail(command, f"--html: could not write {path!r} ({reason})")
-    size = os.path.getsize(path)
-    print(f"memsentry: HTML report written to {path} ({size / 2**20:.1f} MiB; it opens "
-          "offline in any browser)")
+        return fail(command, f"--html: could not write {path!r} ({reason(error)})")
     return 0

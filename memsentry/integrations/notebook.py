@@ -41,6 +41,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from torch import nn
 
+from memsentry.cli.files import html_saved, reason, snapshot_saved
 from memsentry.errors import LeakWarning, MemsentryError
 from memsentry.record.paths import unwritable
 from memsentry.report import Report
@@ -240,23 +241,18 @@ def _save(report: Report, tracker: Tracker, outputs: _Outputs) -> None:
         try:
             report.to_json(outputs.json)
         except OSError as error:
-            failures.append(f"--json: could not write {outputs.json!r} ({error.strerror})")
+            failures.append(f"--json: could not write {outputs.json!r} ({reason(error)})")
     if outputs.html:
         try:
-            report.to_html(outputs.html)
-            size = os.path.getsize(outputs.html) / 2**20
-            print(f"memsentry: HTML report written to {outputs.html} ({size:.1f} MiB; it opens "
-                  "offline in any browser)")
+            print(f"memsentry: {html_saved(report, outputs.html)}")
         except Exception as error:  # OSError, or plotly gone since the check
-            failures.append(f"--html: could not write {outputs.html!r} ({error})")
+            failures.append(f"--html: could not write {outputs.html!r} ({reason(error)})")
     if outputs.snapshot:
         try:
-            tracker.snapshot(outputs.snapshot)
-            size = os.path.getsize(outputs.snapshot) / 2**10
-            print(f"memsentry: memory_viz snapshot written to {outputs.snapshot} ({size:,.0f} "
-                  "KiB; open it at https://pytorch.org/memory_viz)")
+            print(f"memsentry: {snapshot_saved(tracker, outputs.snapshot)}")
         except (OSError, ValueError, MemsentryError) as error:
-            failures.append(f"--snapshot: could not write {outputs.snapshot!r} ({error})")
+            failures.append(f"--snapshot: could not write {outputs.snapshot!r} "
+                            f"({reason(error)})")
     for failure in failures:
         print(f"memsentry: {failure}", file=sys.stderr)
 
