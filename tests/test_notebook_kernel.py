@@ -17,22 +17,11 @@ nbformat = pytest.importorskip("nbformat", reason="the kernel test needs nbforma
 nbclient = pytest.importorskip("nbclient", reason="the kernel test needs nbclient")
 pytest.importorskip("ipykernel", reason="the kernel test needs ipykernel")
 
-SETUP = """\
-import torch
-from torch import nn
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)"""
+from test_notebook import LEAKY as TEXT_LEAKY  # noqa: E402
+from test_notebook import SETUP  # noqa: E402
 
-LEAKY = """\
-%%memsentry
-losses = []
-for step in range(8):
-    loss = model(torch.randn(16, 32)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    losses.append(loss)"""
+#: The notebook the shell tests run, here without ``--text``: a kernel shows the page.
+LEAKY = TEXT_LEAKY.replace("%%memsentry --text", "%%memsentry")
 
 
 def _execute(cells: list[str]) -> list[list[dict[str, Any]]]:
