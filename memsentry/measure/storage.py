@@ -10,6 +10,7 @@ made and freed for PyTorch's memory_viz (``track(snapshot=...)``).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any
 
@@ -134,7 +135,7 @@ class StorageCounter(_CountingMode):
 
     def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
+        self._live: dict[int, int] = {}
         self.sites: dict[int, Location | None] | None = {} if sites else None
         self.history: History | None = None
         self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
@@ -142,10 +143,39 @@ class StorageCounter(_CountingMode):
         )
         self.current = 0
         self.peak = 0
+        # Freed storages are queued by weak references whose callback is a list's ``append``
+        # (C code only: nothing of memsentry's runs in a finaliser, where an exception, a
+        # Ctrl-C among them, would be printed and lost) and taken off before the next count.
+        self._watched: dict[int, tuple[weakref.ref[Any], int, bool]] = {}
+        self._freed: collections.deque[weakref.ref[Any]] = collections.deque()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         return self.dispatch(func, args, kwargs)
+
+    @property
+    def live(self) -> dict[int, int]:
+        """The CPU storages made while counting and still alive: pointer -> bytes."""
+        self.settle()
+        return self._live
+
+    def settle(self) -> None:
+        """Take the storages freed since the last count off it, in the order they died."""
+        freed, watched = self._freed, self._watched
+        while freed:
+            watch = watched.pop(id(freed.popleft()), None)
+            if watch is None:
+                continue
+            _ref, key, on_device = watch
+            if on_device:
+                if self.device_live is not None:
+                    self.device_live.pop(key, None)
+            else:
+                self._free(key)
+
+    def _watch(self, storage: Any, key: int, on_device: bool) -> None:
+        ref = weakref.ref(storage, self._freed.append)
+        self._watched[id(ref)] = (ref, key, on_device)
 
     def in_thread(self) -> ThreadCounter:
         """A mode to enter in another thread (dispatch modes are per thread) that counts into
@@ -173,6 +203,8 @@ class StorageCounter(_CountingMode):
                 raise
             args, kwargs = _numbers_as_tensors(func, args, kwargs)
             out = func(*args, **kwargs)
+        if self._freed:  # before counting: a new storage may take a freed one's address
+            self.settle()
         for leaf in tensors_of(out):
             if leaf.device.type == "cpu":
                 self._see(leaf, inputs)
@@ -191,11 +223,11 @@ class StorageCounter(_CountingMode):
         return found
 
     def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        new = self._new_storage(tensor, inputs, self.live)
+        new = self._new_storage(tensor, inputs, self._live)
         if new is None:
             return
         key, size, storage = new
-        self.live[key] = size
+        self._live[key] = size
         if self.sites is not None:
             self.sites[key] = user_site()
         if self.history is not None:
@@ -203,7 +235,7 @@ class StorageCounter(_CountingMode):
         self.current += size
         if self.current > self.peak:
             self.peak = self.current
-        weakref.finalize(storage, self._free, key)
+        self._watch(storage, key, False)
 
     def _see_device(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         assert self.device_live is not None
@@ -212,10 +244,10 @@ class StorageCounter(_CountingMode):
             return
         key, size, storage = new
         self.device_live[key] = (str(tensor.device), size, user_site())
-        weakref.finalize(storage, self.device_live.pop, key, None)
+        self._watch(storage, key, True)
 
     def _free(self, key: int) -> None:
-        size = self.live.pop(key, 0)
+        size = self._live.pop(key, 0)
         self.current -= size
         if self.sites is not None:
             self.sites.pop(key, None)
@@ -257,13 +289,16 @@ class StorageBackend:
         self._active = False
 
     def sample(self) -> tuple[int, int | None]:
+        self._counter.settle()
         return self._counter.current, self.peak_since_last_read()
 
     def allocated(self) -> int:
+        self._counter.settle()
         return self._counter.current
 
     def counts(self, key: int) -> bool:
         """Whether the storage at pointer ``key`` is in the count (made while tracking)."""
+        self._counter.settle()
         return key in self._counter.live
 
     def reserved(self) -> int | None:
@@ -276,6 +311,7 @@ class StorageBackend:
 
     def live_storages(self) -> dict[int, int]:
         """The storages made while tracking and still alive: pointer -> bytes."""
+        self._counter.settle()
         return dict(self._counter.live)
 
     def peak_since_last_read(self) -> int | None:
@@ -287,6 +323,7 @@ class StorageBackend:
         return physical_memory()
 
     def stats(self) -> dict[str, Any]:
+        self._counter.settle()
         return {"live_storages": len(self._counter.live), "current": self._counter.current}
 
     def start(self) -> None:

@@ -12,6 +12,20 @@ import torch
 from memsentry.record.layers import LayerRecord
 
 
+def _no_graph_task() -> int:
+    return -1
+
+
+#: The id of the backward pass running in this thread, -1 outside one (torch >= 2.1 has it).
+_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward pass now (autograd's engine runs the hooks
+    and, under activation checkpointing, the recomputed forwards and nested backward calls)."""
+    return _graph_task() != -1
+
+
 class PassEnd:
     """Runs ``callback`` once when the running backward pass ends, however often it is armed
     during the pass (from inside autograd hooks)."""
@@ -55,7 +69,8 @@ class ForwardCall:
     """One module call whose forward is running: memory at its start, the highest seen since,
     and the storages saved for backward inside it (pointer -> bytes). An outermost call that
     is not ``measured`` is only counted (see :mod:`memsentry.record.coverage`); ``pushed``:
-    the call put the saved-tensor hooks on the stack and takes them off when it ends."""
+    the call put the saved-tensor hooks on the stack and takes them off when it ends; ``hooks``
+    names the saved-tensor hooks not memsentry's that the call ran under."""
 
     record: LayerRecord
     start: int
@@ -65,3 +80,4 @@ class ForwardCall:
     backward: BackwardCall | None = None
     measured: bool = True
     pushed: bool = False
+    hooks: str | None = None  # someone else's saved-tensor hooks it ran under

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from memsentry.measure import StorageBackend
 from memsentry.measure.storage import storage_of
 from memsentry.record.backward import BackwardTimer, tensors_in
-from memsentry.record.calls import ForwardCall
+from memsentry.record.calls import ForwardCall, in_backward
 from memsentry.record.coverage import Coverage
 from memsentry.record.failure import FailureWatch
 from memsentry.record.layers import (
@@ -49,6 +49,24 @@ class SavedTensorVersionError(RuntimeError):
 
 #: The version a tensor packed inside a compiled region carries: not checked on unpacking.
 UNCHECKED = -1
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def hooks_label(pack: Callable[..., Any]) -> str:
+    """What the saved-tensor hooks whose pack function is ``pack`` are, in words."""
+    module = getattr(pack, "__module__", "") or ""
+    if module == "torch.utils.checkpoint":
+        return CHECKPOINT
+    qualname = getattr(pack, "__qualname__", "") or type(pack).__qualname__
+    if qualname.startswith("save_on_cpu."):
+        return "torch.autograd.graph.save_on_cpu"
+    return f"{module}.{qualname.replace('.<locals>', '')}".lstrip(".")
+
+
+#: The label of activation checkpointing's hooks (non-reentrant ``torch.utils.checkpoint``).
+CHECKPOINT = "activation checkpointing"
 
 
 def unpack(packed: Saved | tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -103,8 +121,7 @@ def _count_saved(call: ForwardCall, tensor: torch.Tensor, packed: Saved,
         return
     key, size, _storage = found
     if live is not None:
-        live.add(key, size)
-        packed.live, packed.key = live, key
+        live.add(key, size, packed)
     if key not in call.saved:
         call.saved[key] = size
         call.saved_bytes += size
@@ -158,6 +175,11 @@ class ForwardRecorder:
         # region that disables them, the call is measured without them.
         self._hooks: saved_tensors_hooks | None = None
         self.without_saved: set[str] = set()  # outermost calls run where hooks are disabled
+        # Calls that ran under saved-tensor hooks of someone else's (activation checkpointing,
+        # save_on_cpu, the user's own): layer name -> what the hooks are. memsentry never puts
+        # its own hooks above theirs, which would take the tensors meant for them.
+        self.foreign_hooks: dict[str, str] = {}
+        self.recomputed: set[str] = set()  # layers called again inside a backward pass
         # TorchScript modules of the tracked model: they take no module hooks, so global
         # hooks let their calls (and only theirs) through.
         self.scripted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -252,15 +274,53 @@ class ForwardRecorder:
              "holders) but steps aside inside it, so the layers inside it are not measured one "
              "by one (run it uncompiled to see them)."),
         )
-        return [f"{', '.join(f'`{n}`' for n in sorted(names))} {text}"
-                for names, text in aside if names]
+        notes = [f"{', '.join(f'`{n}`' for n in sorted(names))} {text}"
+                 for names, text in aside if names]
+        return notes + self._hooks_notes()
+
+    def _hooks_notes(self) -> list[str]:
+        """What the report says of the calls that ran under other saved-tensor hooks, and of
+        the forwards recomputed inside backward passes."""
+        by_label: dict[str, list[str]] = {}
+        for name, label in self.foreign_hooks.items():
+            by_label.setdefault(label, []).append(name)
+        notes = []
+        for label, names in sorted(by_label.items()):
+            listed = ", ".join(f"`{n}`" for n in sorted(names)[:8])
+            if len(names) > 8:
+                listed += f" and {len(names) - 8} more"
+            if label == CHECKPOINT:
+                notes.append(
+                    f"{listed} ran under activation checkpointing: between forward and "
+                    "backward they keep nothing for backward (their `saved` is 0); what they "
+                    "save is recomputed during the backward pass, in the backward figures.")
+            else:
+                notes.append(
+                    f"{listed} ran under saved-tensor hooks of their own (`{label}`): what they "
+                    "saved for backward went to those hooks, as without memsentry, and is not "
+                    "measured (their `saved` column is empty); memory at their boundaries is.")
+        if self.recomputed:
+            listed = ", ".join(f"`{n}`" for n in sorted(self.recomputed)[:8])
+            notes.append(
+                f"{listed} ran again inside backward passes (the recomputation of activation "
+                "checkpointing): those calls are not counted as forward calls; their memory is "
+                "in the backward figures of the layers around them.")
+        return notes
+
+    def _aside(self, module: nn.Module) -> bool:
+        """Whether a module call is none of memsentry's business: while Dynamo traces (a
+        constant to it: nothing below is traced), while torch.jit.trace records every op, when
+        not tracking, and inside a backward pass (checkpointing recomputes a forward there)."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None \
+                or not self.active:
+            return True
+        if in_backward():
+            self._recomputed(module)
+            return True
+        return False
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced
-            return
-        if torch._C._get_tracing_state() is not None:  # torch.jit.trace records every op
-            return
-        if not self.active:
+        if self._aside(module):
             return
         if self._sampler.backend is None:
             self._start_backend(module, args)
@@ -286,9 +346,11 @@ class ForwardRecorder:
         else:
             parent.is_leaf = False
         pushed = measured and self._saved and self._push_saved_hooks(record.name)
+        foreign = self._foreign_hooks(record.name) if measured and self._saved else None
         allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)
-        call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed)
+        call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed,
+                           hooks=foreign)
         stack.append(call)
         if measured and self._backward is not None and torch.is_grad_enabled():
             call.backward = self._backward.watch_inputs(record, args)
@@ -299,7 +361,7 @@ class ForwardRecorder:
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return
         stack = self.stack
-        if not self.active or not stack:
+        if not self.active or not stack or in_backward():
             return
         record = self._registry.record_for(module, None)
         if stack[-1].record is not record and all(c.record is not record for c in stack):
@@ -318,8 +380,7 @@ class ForwardRecorder:
         if measured:
             record.add_forward(
                 delta=allocated - call.start, peak=call.peak - call.start,
-                output=storage_bytes(outputs),
-                saved=call.saved_bytes if self._saved else None,
+                output=storage_bytes(outputs), saved=self._saved_of(call),
             )
         else:
             record.calls += 1
@@ -336,12 +397,38 @@ class ForwardRecorder:
         if measured:
             self.coverage.count(started)
 
+    def _saved_of(self, call: ForwardCall) -> int | None:
+        """The bytes ``call`` saved for backward, as a layer's figure: ``None`` when they went
+        to someone else's hooks, 0 under checkpointing (kept nothing)."""
+        if not self._saved or call.hooks not in (None, CHECKPOINT):
+            return None
+        return call.saved_bytes
+
+    def _recomputed(self, module: nn.Module) -> None:
+        record = self._registry.record_of(module)
+        if record is not None:
+            self.recomputed.add(record.name)
+
+    def _foreign_hooks(self, name: str) -> str | None:
+        """What the saved-tensor hooks on top of the stack are, when they are not ours."""
+        top = _top_hooks(False)
+        if top is None or top[0] == self.pack:
+            return None
+        label = hooks_label(top[0])
+        if name not in self.foreign_hooks:
+            self.foreign_hooks[name] = label
+        return label
+
     def _push_saved_hooks(self, name: str) -> bool:
-        """Put the saved-tensor hooks on the stack for a measured call; whether it did."""
+        """Put the saved-tensor hooks on the stack for a measured call; whether it did. Never
+        above hooks already there (checkpointing's, save_on_cpu's, the user's): the tensors
+        saved are theirs to keep, and pushed above them memsentry would take them."""
         if self._hooks is not None:
             return False
         if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
             self.without_saved.add(name)  # torch.func's grad/vjp: hooks would raise there
+            return False
+        if _top_hooks(False) is not None:
             return False
         self._hooks = saved_tensors_hooks(self.pack, unpack)
         self._hooks.__enter__()

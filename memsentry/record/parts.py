@@ -36,21 +36,45 @@ Keys = dict[int, int]  # storage pointer -> bytes
 
 
 class LiveSaved:
-    """Bytes of the storages saved for backward that autograd still keeps."""
+    """Bytes of the storages saved for backward that autograd still keeps.
 
-    __slots__ = ("_refs", "total")
+    Each counted :class:`Saved` is watched through a weak reference whose callback is a list's
+    ``append``: when autograd frees the pack, only C code runs (no Python frame, so a
+    ``KeyboardInterrupt`` or any other exception can never be raised, and lost, inside a
+    finaliser of memsentry's). The dead packs are taken off when the total is next read.
+    """
+
+    __slots__ = ("_dead", "_refs", "_total", "_watched")
 
     def __init__(self) -> None:
         self._refs: dict[int, list[int]] = {}  # pointer -> [packs alive, bytes]
-        self.total = 0
+        self._total = 0
+        self._watched: dict[int, tuple[weakref.ref[Saved], int]] = {}  # id(ref) -> ref, key
+        self._dead: list[weakref.ref[Saved]] = []  # filled by the weak references' callback
 
-    def add(self, key: int, size: int) -> None:
+    def add(self, key: int, size: int, packed: Saved) -> None:
         entry = self._refs.get(key)
         if entry is None:
             self._refs[key] = [1, size]
-            self.total += size
+            self._total += size
         else:
             entry[0] += 1
+        ref = weakref.ref(packed, self._dead.append)
+        self._watched[id(ref)] = (ref, key)
+
+    @property
+    def total(self) -> int:
+        if self._dead:
+            self._settle()
+        return self._total
+
+    def _settle(self) -> None:
+        """Take off the packs autograd freed since the last reading."""
+        dead, watched = self._dead, self._watched
+        while dead:
+            watch = watched.pop(id(dead.pop()), None)
+            if watch is not None:
+                self.release(watch[1])
 
     def release(self, key: int) -> None:
         entry = self._refs.get(key)
@@ -59,27 +83,18 @@ class LiveSaved:
         entry[0] -= 1
         if entry[0] <= 0:
             del self._refs[key]
-            self.total -= entry[1]
+            self._total -= entry[1]
 
 
 class Saved:
-    """What the saved-tensor hook packs: a detached alias of the saved tensor and its version,
-    and, when its storage was counted as an activation, the count to take it off when
-    autograd lets go of it."""
+    """What the saved-tensor hook packs: a detached alias of the saved tensor and its version.
+    When its storage counts as an activation, :class:`LiveSaved` watches it weakly."""
 
-    __slots__ = ("key", "live", "tensor", "version")
+    __slots__ = ("__weakref__", "tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor, version: int, live: LiveSaved | None = None,
-                 key: int = 0) -> None:
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor = tensor
         self.version = version
-        self.live = live
-        self.key = key
-
-    def __del__(self) -> None:
-        live = self.live
-        if live is not None:
-            live.release(self.key)
 
 
 class Parts:

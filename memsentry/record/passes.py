@@ -18,6 +18,7 @@ import torch
 import torch.autograd
 
 from memsentry.record.backward import tensors_in
+from memsentry.record.calls import in_backward
 
 #: The trackers listening now, and torch's function with the wrapper put in its place (one
 #: wrapper however many trackers run, so that nesting never chains wrappers).
@@ -28,8 +29,9 @@ _installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        nested = in_backward()  # reentrant checkpointing's backward inside the pass
         result = original(tensors, *args, **kwargs)
-        if _listeners and not torch.compiler.is_compiling():
+        if _listeners and not nested and not torch.compiler.is_compiling():
             started = tensors_in(tensors)
             for listener in list(_listeners):
                 try:
