@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import memsentry
 from memsentry.model import Severity
@@ -46,14 +47,25 @@ FORMS: dict[str, dict[str, Any]] = {
     "global hooks": {"model": None},
     "exact": {"exact": True},
     "no saved tensors": {"saved_tensors": False},
+    # Each block's forward under non-reentrant activation checkpointing, applied before
+    # fully_shard as torchtitan-style recipes do; compared with the same model untracked.
+    "checkpointed": {"checkpointed": True},
 }
 
 
+class CheckpointedBlock(nn.Sequential):
+    """A block whose forward runs under non-reentrant activation checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return checkpoint(super().forward, x, use_reentrant=False)
+
+
 # -- what each rank runs -------------------------------------------------------------------
-def _model() -> nn.Module:
+def _model(checkpointed: bool = False) -> nn.Module:
     """Blocks of Linear+ReLU and a head, each block an FSDP2 unit, the root one too."""
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)]
+    block = CheckpointedBlock if checkpointed else nn.Sequential
+    blocks = [block(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)]
     model = nn.Sequential(*blocks, nn.Linear(WIDTH, 1))
     for block in blocks:
         fully_shard(block)
@@ -66,13 +78,13 @@ def _shard_bytes(module: nn.Module) -> int:
     return sum(p.to_local().untyped_storage().nbytes() for p in module.parameters())
 
 
-def _train(form: str | None) -> dict[str, Any]:
+def _train(form: str | None, checkpointed: bool = False) -> dict[str, Any]:
     """``STEPS`` Adam steps on this rank's data, tracked as ``form`` says (``None``: not)."""
-    model = _model()
+    options = dict(FORMS[form]) if form is not None else {}
+    model = _model(checkpointed=options.pop("checkpointed", checkpointed))
     shards = {str(k): _shard_bytes(model[k]) for k in range(BLOCKS)}
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
-    options = dict(FORMS[form]) if form is not None else {}
     tracked = options.pop("model", model)
     tracker = memsentry.track(tracked, **options) if form is not None else None
     losses = []
@@ -112,8 +124,9 @@ def _rank_main(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    plain = _train(None)
-    results = {form: _summary(plain, _train(form)) for form in FORMS}
+    plain = {False: _train(None), True: _train(None, checkpointed=True)}
+    results = {form: _summary(plain["checkpointed" in FORMS[form]], _train(form))
+               for form in FORMS}
     Path(out).write_text(json.dumps(results), encoding="utf-8")
     # Leave together, then skip the interpreter's teardown: a rank whose peer has already
     # closed its gloo connections can abort in gloo's destructors ("terminate called without
@@ -188,7 +201,9 @@ def test_fsdp2_blocks_have_layer_rows_sized_by_their_local_shard(
         saved = layers["1.0"][2]
         # The Linear saves its input and a view of its all-gathered weight: only the input is
         # new memory (the weight is a parameter, freed by FSDP after the forward).
-        assert saved == (None if form == "no saved tensors" else BATCH * WIDTH * 4)
+        # Under checkpointing it keeps nothing: the forward is recomputed in backward.
+        expected = {"no saved tensors": None, "checkpointed": 0}.get(form, BATCH * WIDTH * 4)
+        assert saved == expected
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -247,3 +247,35 @@ def test_a_plain_accelerate_loop_is_tracked_with_track() -> None:
     [leak] = leaks(report)
     assert leak.subject is not None and leak.subject.name == "kept"
     assert "a local of run()" in leak.message
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_runs_bitwise_and_gives_no_finding(tmp_path: Path,
+                                                                   reentrant: bool) -> None:
+    """``gradient_checkpointing=True`` in both modes: the recomputed forwards are no steps and
+    no leak (only the losses the trainer keeps on purpose), and the results are those of the
+    run without memsentry."""
+
+    def run(where: Path, callbacks: list[Any]) -> Any:
+        args = transformers.TrainingArguments(
+            output_dir=str(where), num_train_epochs=1, per_device_train_batch_size=8,
+            report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+            data_seed=0, gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        trainer = KeepsLosses(model=model(), args=args, train_dataset=Tokens(),
+                              callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    callback = MemsentryCallback(print_report=False, on_leak="ignore")
+    plain, tracked = run(tmp_path / "a", []), run(tmp_path / "b", [callback])
+    assert [x.item() for x in plain.losses] == [x.item() for x in tracked.losses]
+    for a, b in zip(plain.model.state_dict().values(), tracked.model.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+    report = callback.report
+    assert report is not None  # the losses KeepsLosses keeps, and nothing else
+    assert [f.subject.name for f in leaks(report) if f.subject is not None] == ["self.losses"]
+    steps = [it for it in report.iterations if it.boundary is memsentry.Boundary.OPTIMIZER]
+    assert len(steps) == STEPS // 2
+    assert any("inside backward passes" in note for note in report.notes)
