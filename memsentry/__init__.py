@@ -56,6 +56,7 @@ _EXPORTS = {
     "LeakError": "memsentry.errors",
     "LeakWarning": "memsentry.errors",
     "MemsentryError": "memsentry.errors",
+    "ReportError": "memsentry.errors",
     "TrackerStateError": "memsentry.errors",
     "UnsupportedDeviceError": "memsentry.errors",
     "RULES": "memsentry.rules",
@@ -104,6 +105,7 @@ __all__ = [
     "Report",
     "ReportData",
     "ReportDiff",
+    "ReportError",
     "Scope",
     "ScopeKind",
     "Severity",
@@ -129,6 +131,7 @@ if TYPE_CHECKING:
         LeakError,
         LeakWarning,
         MemsentryError,
+        ReportError,
         TrackerStateError,
         UnsupportedDeviceError,
     )

@@ -84,7 +84,8 @@ def test_show_writes_to_a_file(leaky_report: Report, tmp_path: Path,
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "no such file"),
-    ("{not json", "is not JSON (line 1, column 2"),
+    ("{not json", "not JSON (Expecting property name enclosed in double quotes at line 1, "
+                  "column 2)"),
     ('{"layers": []}', "not a memsentry report"),
     ('{"device": "cpu", "backend": "cpu-mallinfo2", "baseline": 0, "schema": 99}',
      "schema 99, newer than this memsentry reads"),

@@ -3,10 +3,10 @@ writing the files ``memsentry run`` and the notebook magics are asked for."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
 
+from memsentry.errors import ReportError
 from memsentry.report import Report
 
 if TYPE_CHECKING:
@@ -14,21 +14,15 @@ if TYPE_CHECKING:
 
 
 def read_report(path: str) -> Report | str:
-    """The report saved at ``path``, or what is wrong with the file."""
+    """The report saved at ``path``, or what is wrong with the file (one line)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        return Report.from_json(path)
     except FileNotFoundError:
         return f"no such file: {path!r}"
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"cannot read {path!r}: {exc}"
-    except json.JSONDecodeError as exc:
-        return (f"{path!r} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                "give a file written by `memsentry run --json` or Report.to_json()")
-    try:
-        return Report.from_dict(data)
-    except (ValueError, TypeError, KeyError) as exc:
-        return f"{path!r}: {exc}"
+    except OSError as exc:
+        return f"cannot read {path!r}: {reason(exc)}"
+    except ReportError as exc:
+        return str(exc)
 
 
 def html_saved(report: Report, path: str) -> str:

@@ -3,6 +3,13 @@
 Driven by the dataclasses' type hints, so a new field needs no code here: nested values,
 enums, tuples and optional fields are rebuilt as their declared types. Unknown keys are
 ignored (a file from a newer memsentry still reads).
+
+Reading checks as it rebuilds, so that a value read holds only its declared types: a
+``null`` where the field is not optional, a string where a number belongs, a number that is
+not finite or not below 2**64, a negative count, size or time (numbers are 0 or more unless
+their field carries :data:`SIGNED`), data nested deeper than :data:`MAX_DEPTH`: each raises
+:class:`~memsentry.errors.ReportError` naming the field's path
+(``Report.iterations[3].allocated``), what it holds and what was expected.
 """
 
 from __future__ import annotations
@@ -10,11 +17,26 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from memsentry.errors import ReportError
+
 T = TypeVar("T")
+
+#: Field metadata (``field(metadata=SIGNED)``): this number may be below zero (a change, a
+#: difference). Every other number of a report is a count, a size or a time: 0 or more.
+SIGNED: Mapping[str, bool] = types.MappingProxyType({"signed": True})
+
+#: No count, size or time memsentry writes comes near 2**64 (bytes: 16 EiB).
+LIMIT = 2**64
+
+#: Levels of lists and objects a value may nest (a report nests 9: its ranks' censuses'
+#: holders' paths' steps).
+MAX_DEPTH = 32
 
 
 def to_plain(value: Any) -> Any:
@@ -31,61 +53,180 @@ def to_plain(value: Any) -> Any:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _fields(cls: type) -> tuple[tuple[str, Any, bool, bool], ...]:
+    """(name, type, signed, required) of each field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], bool(f.metadata.get("signed")),
+         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls) if f.init
+    )
 
 
-def from_plain(kind: Any, data: Any) -> Any:
-    """Rebuild a value of type ``kind`` from what :func:`to_plain` made of it."""
+def found(data: Any) -> str:
+    """What a plain value is, for a message: its JSON spelling, shortened."""
     if data is None:
-        return None
+        return "null"
+    if isinstance(data, bool):
+        return "true" if data else "false"
+    if isinstance(data, int):
+        digits = len(str(abs(data)))
+        return str(data) if digits <= 24 else f"a whole number of {digits} digits"
+    if isinstance(data, float):
+        return repr(data)
+    if isinstance(data, str):
+        return repr(data if len(data) <= 40 else data[:40] + "…")
+    if isinstance(data, list):
+        return f"a list of {len(data)} item{'s' * (len(data) != 1)}"
+    if isinstance(data, dict):
+        return f"an object with {len(data)} key{'s' * (len(data) != 1)}"
+    return type(data).__name__
+
+
+def _name(kind: Any) -> str:
+    """A type as the messages spell it."""
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        return " or ".join("null" if arm is type(None) else _name(arm)
+                           for arm in typing.get_args(kind))
+    if typing.get_origin(kind) is tuple:
+        return "a list"
+    if typing.get_origin(kind) is dict or kind is Any:
+        return "an object" if kind is not Any else "plain data"
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return f"an object ({kind.__name__})"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return "one of " + ", ".join(repr(member.value) for member in kind)
+    return getattr(kind, "__name__", str(kind))
+
+
+def _bad(where: str, expected: str, data: Any) -> ReportError:
+    return ReportError(f"expected {expected}, got {found(data)}", field=where)
+
+
+def from_plain(kind: Any, data: Any, where: str = "value", *, signed: bool = False,
+               depth: int = 0) -> Any:
+    """Rebuild a value of type ``kind`` from what :func:`to_plain` made of it, checking it on
+    the way; ``where`` names it in the :class:`~memsentry.errors.ReportError` raised when
+    ``data`` is not one."""
+    _within_depth(depth, where)
     origin = typing.get_origin(kind)
     if origin in (types.UnionType, typing.Union):
-        arms = [arm for arm in typing.get_args(kind) if arm is not type(None)]
-        return from_plain(arms[0], data) if len(arms) == 1 else data
+        return _union(kind, data, where, signed, depth)
+    if data is None:
+        raise _bad(where, _name(kind), data)
     if origin is tuple:
-        args = typing.get_args(kind)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(from_plain(args[0], item) for item in data)
-        return tuple(from_plain(arg, item) for arg, item in zip(args, data, strict=False))
+        return _tuple(kind, data, where, signed, depth)
+    if origin is dict:
+        return _dict(kind, data, where, depth)
+    if kind is Any:
+        return _plain(data, where, depth)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        return build(kind, data)
+        return build(kind, data, where, depth=depth)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return _enum(kind, data, where)
+    if kind in (int, float):
+        return _number(kind, data, where, signed)
+    if kind in (str, bool):
+        if not isinstance(data, kind):
+            raise _bad(where, kind.__name__, data)
+        return data
+    raise TypeError(f"memsentry's codec cannot read a field of type {kind!r} ({where})")
+
+
+def _within_depth(depth: int, where: str) -> None:
+    if depth > MAX_DEPTH:
+        raise ReportError(f"nested deeper than {MAX_DEPTH} levels of lists and objects; a "
+                          "report nests 9", field=where)
+
+
+def _enum(kind: type[enum.Enum], data: Any, where: str) -> enum.Enum:
+    try:
         return kind(data)
-    if kind in _SCALARS and not _fits(kind, data):
-        raise ValueError(f"expected {kind.__name__}, got {data!r}")
+    except (ValueError, TypeError):
+        raise _bad(where, _name(kind), data) from None
+
+
+def _dict(kind: Any, data: Any, where: str, depth: int) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _bad(where, "an object", data)
+    value_kind = typing.get_args(kind)[1]
+    return {key: from_plain(value_kind, item, f"{where}[{key!r}]", depth=depth + 1)
+            for key, item in data.items()}
+
+
+def _union(kind: Any, data: Any, where: str, signed: bool, depth: int) -> Any:
+    arms = typing.get_args(kind)
+    if data is None and type(None) in arms:
+        return None
+    real = [arm for arm in arms if arm is not type(None)]
+    if len(real) == 1:
+        if data is None:
+            raise _bad(where, _name(kind), data)
+        return from_plain(real[0], data, where, signed=signed, depth=depth)
+    for arm in real:
+        try:
+            return from_plain(arm, data, where, signed=signed, depth=depth)
+        except ReportError:
+            continue
+    raise _bad(where, _name(kind), data)
+
+
+def _tuple(kind: Any, data: Any, where: str, signed: bool, depth: int) -> tuple[Any, ...]:
+    if not isinstance(data, list):
+        raise _bad(where, "a list", data)
+    args = typing.get_args(kind)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(from_plain(args[0], item, f"{where}[{i}]", signed=signed, depth=depth + 1)
+                     for i, item in enumerate(data))
+    if len(data) != len(args):
+        raise _bad(where, f"a list of {len(args)} items", data)
+    return tuple(from_plain(arg, item, f"{where}[{i}]", signed=signed, depth=depth + 1)
+                 for i, (arg, item) in enumerate(zip(args, data, strict=True)))
+
+
+def _number(kind: type, data: Any, where: str, signed: bool) -> int | float:
+    """An int, or a float (a JSON whole number is one too), finite, below 2**64 in size and,
+    unless ``signed``, 0 or more."""
+    if isinstance(data, bool) or not isinstance(data, int | float) or (
+            kind is int and isinstance(data, float)):
+        raise _bad(where, kind.__name__, data)
+    if isinstance(data, float) and not math.isfinite(data):
+        raise _bad(where, f"a finite {kind.__name__}", data)
+    if not signed and data < 0:
+        raise _bad(where, f"{kind.__name__} of 0 or more", data)
+    if abs(data) >= LIMIT:
+        raise _bad(where, f"{kind.__name__} below 2**64", data)
+    return float(data) if kind is float else data
+
+
+def _plain(data: Any, where: str, depth: int) -> Any:
+    """Free-form data (``Any``: the allocator's counters, NVML's figures): JSON values, nested
+    no deeper than :data:`MAX_DEPTH`, numbers finite and below 2**64 in size."""
+    _within_depth(depth, where)
+    if isinstance(data, dict):
+        return {key: _plain(item, f"{where}[{key!r}]", depth + 1) for key, item in data.items()}
+    if isinstance(data, list):
+        return [_plain(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(data)]
+    if isinstance(data, int | float) and not isinstance(data, bool):
+        return _number(type(data), data, where, signed=True)
     return data
 
 
-#: Scalar field types whose values are checked on the way in (a report edited by hand, or
-#: damaged, fails when it is read, not later when a figure is used).
-_SCALARS: tuple[type, ...] = (int, float, str, bool)
-
-
-def _fits(kind: type, data: Any) -> bool:
-    if kind is float:
-        return isinstance(data, int | float) and not isinstance(data, bool)
-    if kind is int:
-        return isinstance(data, int) and not isinstance(data, bool)
-    return isinstance(data, kind)
-
-
-def build(cls: type[T], data: dict[str, Any]) -> T:
-    """An instance of the dataclass ``cls`` from a dict, each field rebuilt as its type."""
+def build(cls: type[T], data: Any, where: str | None = None, *, depth: int = 0) -> T:
+    """An instance of the dataclass ``cls`` from a dict, each field rebuilt as its type and
+    checked (see the module's doc); ``where`` names it in messages (``cls``'s name by
+    default). Raises :class:`~memsentry.errors.ReportError`."""
+    where = where or cls.__name__
     if not isinstance(data, dict):
-        raise ValueError(f"expected an object for {cls.__name__}, got {data!r:.60}")
-    hints = _hints(cls)  # type: ignore[arg-type]
+        raise _bad(where, f"an object ({cls.__name__})", data)
     values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in data:
-            try:
-                values[f.name] = from_plain(hints[f.name], data[f.name])
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{cls.__name__}.{f.name}: {error}") from None
-    try:
-        return cls(**values)
-    except TypeError as error:  # a required field is missing
-        raise ValueError(f"{cls.__name__}: {error}") from None
+    for name, kind, signed, required in _fields(cls):  # type: ignore[arg-type]
+        if name in data:
+            values[name] = from_plain(kind, data[name], f"{where}.{name}", signed=signed,
+                                      depth=depth + 1)
+        elif required:
+            raise ReportError(f"missing; expected {_name(kind)}", field=f"{where}.{name}")
+    return cls(**values)
 
 
-__all__ = ["build", "from_plain", "to_plain"]
+__all__ = ["LIMIT", "MAX_DEPTH", "SIGNED", "build", "found", "from_plain", "to_plain"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from memsentry.model.codec import SIGNED
 from memsentry.model.kinds import Severity, SubjectKind
 from memsentry.model.places import Location, Step, spell
 
@@ -40,8 +41,8 @@ class Finding:
     severity: Severity
     message: str
     fix: str
-    bytes: int | None = None
-    rate: float | None = None
+    bytes: int | None = field(default=None, metadata=SIGNED)
+    rate: float | None = field(default=None, metadata=SIGNED)
     objects: int | None = None
     subject: Subject | None = None
     location: Location | None = None

@@ -3,8 +3,9 @@ forward calls whose graph no backward used."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from memsentry.model.codec import SIGNED
 from memsentry.model.kinds import HolderKind
 from memsentry.model.places import Location, Scope, Step, spell
 
@@ -80,11 +81,11 @@ class GarbageStats:
     objects: int
     tensors: int
     bytes: int
-    freed: int
+    freed: int = field(metadata=SIGNED)
     types: tuple[tuple[str, int], ...] = ()
     gc_enabled: bool = True
     full_collections: int = 0
-    full_freed: int = 0
+    full_freed: int = field(default=0, metadata=SIGNED)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@ what would have made it fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memsentry.model.breakdown import Breakdown, where
+from memsentry.model.codec import SIGNED
 from memsentry.model.kinds import FixKind, Phase
 
 
@@ -25,7 +26,7 @@ class OomFix:
 
     kind: FixKind
     text: str
-    saves: int | None = None
+    saves: int | None = field(default=None, metadata=SIGNED)
     batch: int | None = None
 
 

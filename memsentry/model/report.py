@@ -7,17 +7,23 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from memsentry.errors import ReportError
 from memsentry.model.breakdown import Breakdowns
-from memsentry.model.codec import build, to_plain
+from memsentry.model.codec import build, found, to_plain
 from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
 from memsentry.model.oom import OutOfMemory
+from memsentry.model.reading import read_json
 from memsentry.model.timeline import IterationStats, LayerStats
 
 #: The version of the JSON layout; 1 was memsentry 0.1.0's (holders named by a string).
 SCHEMA_VERSION = 2
+
+#: The fix, where a report holds what memsentry never writes.
+_DAMAGED = ("memsentry never writes this: the file was damaged or edited since; save the "
+            "report again")
 
 R = TypeVar("R", bound="ReportData")
 
@@ -104,34 +110,43 @@ class ReportData:
     @classmethod
     def from_dict(cls: type[R], data: dict[str, Any]) -> R:
         """Rebuild a report written by :meth:`to_dict` (or read back from :meth:`to_json`);
-        reports of schema 1 (memsentry 0.1.0) are upgraded. Unknown keys are ignored."""
+        reports of schema 1 (memsentry 0.1.0) are upgraded. Unknown keys are ignored. A
+        value that is not a report, or a field that holds anything but its declared type (a
+        ``null``, a string for a number, a number out of range), raises
+        :class:`~memsentry.errors.ReportError` (a ``ValueError``) naming the field."""
         if not isinstance(data, dict) or "device" not in data or "backend" not in data:
-            raise ValueError(
+            raise ReportError(
                 "not a memsentry report: expected a JSON object with 'device', 'backend' and "
                 "'schema' keys, as written by Report.to_json() or `memsentry run --json`"
             )
         schema = data.get("schema", 1)
-        if not isinstance(schema, int) or schema > SCHEMA_VERSION:
-            raise ValueError(
-                f"this report has schema {schema!r}, newer than this memsentry reads "
+        if isinstance(schema, bool) or not isinstance(schema, int):
+            raise ReportError(f"expected int, got {found(schema)}; {_DAMAGED}",
+                              field=f"{cls.__name__}.schema")
+        if schema > SCHEMA_VERSION:
+            raise ReportError(
+                f"this report has schema {found(schema)}, newer than this memsentry reads "
                 f"({SCHEMA_VERSION}); upgrade memsentry to read it"
             )
-        return build(cls, upgrade(data) if schema < SCHEMA_VERSION else data)
+        try:
+            return build(cls, upgrade(data) if schema < SCHEMA_VERSION else data)
+        except ReportError as error:
+            raise ReportError(f"{error.problem}; {_DAMAGED}", field=error.field) from None
 
     @classmethod
     def from_json(cls: type[R], path: str | os.PathLike[str]) -> R:
-        """Read a report saved with :meth:`to_json`. A file that is not JSON, not a report
-        or damaged raises ``ValueError`` naming the file and what is wrong."""
-        with open(path, encoding="utf-8") as handle:
-            try:
-                data = json.load(handle)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{os.fspath(path)}: not JSON ({error.msg} at line "
-                                 f"{error.lineno}, column {error.colno})") from None
+        """Read a report saved with :meth:`to_json`. A file that is not a report raises
+        :class:`~memsentry.errors.ReportError` (a ``ValueError``) naming the file and what
+        is wrong, in bounded time and memory: not a regular file (a directory, a device, a
+        FIFO), larger than 256 MiB (``MEMSENTRY_MAX_REPORT_SIZE`` changes the limit), not
+        UTF-8 JSON, nested too deep, or a field that is not its declared type (see
+        :meth:`from_dict`). A file that is missing or cannot be opened raises ``OSError``."""
+        name = os.fspath(path)
         try:
-            return cls.from_dict(data)
-        except ValueError as error:
-            raise ValueError(f"{os.fspath(path)}: {error}") from None
+            return cls.from_dict(read_json(name))
+        except ReportError as error:
+            raise (error if error.path else error.within(name)) from None
+
 
 
 __all__ = ["SCHEMA_VERSION", "ReportData"]

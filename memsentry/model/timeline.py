@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memsentry.model.breakdown import Breakdown
+from memsentry.model.codec import SIGNED
 from memsentry.model.kinds import Boundary
 
 
@@ -35,10 +36,10 @@ class LayerStats:
     param_bytes: int
     output_bytes: int | None
     saved_bytes: int | None
-    forward_delta: int | None
-    forward_peak: int | None
-    backward_delta: int | None = None
-    backward_peak: int | None = None
+    forward_delta: int | None = field(metadata=SIGNED)
+    forward_peak: int | None = field(metadata=SIGNED)
+    backward_delta: int | None = field(default=None, metadata=SIGNED)
+    backward_peak: int | None = field(default=None, metadata=SIGNED)
     backward_calls: int = 0
     is_leaf: bool = True
     measured_calls: int = 0
