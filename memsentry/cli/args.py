@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from memsentry.usercode.text import printable
+
 
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number no smaller than ``minimum``."""
@@ -35,6 +37,7 @@ def add_table_options(parser: argparse.ArgumentParser) -> None:
 
 
 def fail(command: str, message: str, code: int = 2) -> int:
-    """Say what went wrong on standard error; return the exit code."""
-    print(f"memsentry {command}: {message}", file=sys.stderr)
+    """Say what went wrong on standard error, in one line (the paths and names it echoes
+    written :func:`~memsentry.usercode.text.printable`); return the exit code."""
+    print(f"memsentry {command}: {printable(message)}", file=sys.stderr)
     return code

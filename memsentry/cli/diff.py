@@ -20,6 +20,7 @@ from memsentry.model.diff import parse_growth_increase, parse_increase
 from memsentry.reporters.diff import diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
 from memsentry.rules.diff import check, diff
+from memsentry.usercode.text import printable
 
 T = TypeVar("T")
 
@@ -116,8 +117,8 @@ def _save(args: argparse.Namespace, change: ReportDiff, verdict: LimitCheck, tex
         if problem is not None:
             return problem
         size = os.path.getsize(args.html) / 2**20
-        print(f"memsentry diff: HTML page written to {args.html} ({size:.1f} MiB; it opens "
-              "offline in any browser)", file=sys.stderr)
+        print(f"memsentry diff: HTML page written to {printable(args.html)} ({size:.1f} MiB; "
+              "it opens offline in any browser)", file=sys.stderr)
     return None
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from memsentry.errors import ReportError
 from memsentry.report import Report
+from memsentry.usercode.text import printable
 
 if TYPE_CHECKING:
     from memsentry.tracker import Tracker
@@ -29,16 +30,18 @@ def html_saved(report: Report, path: str) -> str:
     """Write ``report`` to ``path`` as the HTML page; the line that says where (raises
     ``OSError``, or ``ChartsUnavailable`` without plotly)."""
     report.to_html(path)
-    return (f"HTML report written to {path} ({os.path.getsize(path) / 2**20:.1f} MiB; it "
-            "opens offline in any browser)")
+    size = os.path.getsize(path) / 2**20
+    return (f"HTML report written to {printable(path)} ({size:.1f} MiB; it opens offline in "
+            "any browser)")
 
 
 def snapshot_saved(tracker: Tracker, path: str) -> str:
     """Write ``tracker``'s memory_viz snapshot to ``path``; the line that says where (raises
     what :meth:`Tracker.snapshot` raises)."""
     tracker.snapshot(path)
-    return (f"memory_viz snapshot written to {path} ({os.path.getsize(path) / 2**10:,.0f} "
-            "KiB; open it at https://pytorch.org/memory_viz)")
+    size = os.path.getsize(path) / 2**10
+    return (f"memory_viz snapshot written to {printable(path)} ({size:,.0f} KiB; open it at "
+            "https://pytorch.org/memory_viz)")
 
 
 def reason(error: BaseException) -> str:

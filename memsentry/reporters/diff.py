@@ -19,6 +19,7 @@ from memsentry.model.diff import LayerChange, format_rate, format_share
 from memsentry.reporters.breakdown import _LABELS
 from memsentry.reporters.text import _NARROW, _fit, fit_layer_rows
 from memsentry.units import format_bytes
+from memsentry.usercode.text import printable_values
 
 _LAYER_HEADERS = (
     ("", "", "activation", "", "", "fwd peak", "", ""),
@@ -217,7 +218,10 @@ def render_check(diff: ReportDiff, check: LimitCheck, *, width: int = 100) -> st
 def render_diff(diff: ReportDiff, *, check: LimitCheck | None = None, top: int | None = 10,
                 width: int = 100) -> str:
     """The whole diff as text: headline, warnings, categories, the ``top`` layers that
-    changed most, findings, and the limits when ``check`` is given."""
+    changed most, findings, and the limits when ``check`` is given. The runs' strings
+    (labels, layer and holder names, messages) are written
+    :func:`~memsentry.usercode.text.printable`."""
+    diff, check = printable_values(diff), printable_values(check)
     sections: list[str | None] = [render_headline(diff)]
     if diff.mismatches:
         sections.append("\n".join(_fill(f"warning: {m.message}", width, "         ")

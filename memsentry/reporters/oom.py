@@ -7,6 +7,7 @@ import textwrap
 
 from memsentry.model import CATEGORIES, OutOfMemory
 from memsentry.units import format_bytes
+from memsentry.usercode.text import printable_values
 
 _NAMES = {"optimizer_state": "optimizer state"}
 
@@ -28,6 +29,7 @@ def _asked(oom: OutOfMemory) -> str:
 def oom_note(oom: OutOfMemory) -> str:
     """Three lines: where and what memory held; the largest activations and the first fix;
     where the rest is."""
+    oom = printable_values(oom)
     first = (f"memsentry: out of memory in the {oom.where} (iteration {oom.iteration})"
              f"{_asked(oom)}, {_held(oom)}.")
     second = []
@@ -44,6 +46,7 @@ def oom_note(oom: OutOfMemory) -> str:
 
 def render_oom(oom: OutOfMemory, *, width: int = 100) -> str:
     """The post-mortem section of the text report."""
+    oom = printable_values(oom)
     lines = [textwrap.fill(
         f"Out of memory: {oom.error} in the {oom.where} (iteration {oom.iteration}"
         + (f", batch {oom.batch}" if oom.batch else "") + f"){_asked(oom)}", width)]

@@ -22,6 +22,7 @@ from memsentry.reporters.breakdown import layer_share, render_breakdown
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.ranks import rank_line, render_ranks
 from memsentry.units import format_bytes
+from memsentry.usercode.text import printable_values
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
 # (tabulate widens every real header by two characters); ten columns then fit 100 characters.
@@ -222,7 +223,10 @@ def _nvml_line(nvml: dict[str, Any]) -> str:
 
 def render_text(report: ReportData, *, max_depth: int | None = None, top: int | None = 30,
                 width: int = 100) -> str:
-    """The whole text report: header, findings, layers, iterations, notes."""
+    """The whole text report: header, findings, layers, iterations, notes. The watched
+    program's strings (module, holder and file names, messages) are written
+    :func:`~memsentry.usercode.text.printable`: a control character is an escape."""
+    report = printable_values(report)
     sections = [render_header(report)]
     if report.oom is not None:
         sections.append(render_oom(report.oom, width=width))

@@ -1,0 +1,75 @@
+"""Text that comes from the watched program (module and variable names, holder paths, file
+paths, exception messages), made safe to print.
+
+A name may hold anything: ``model.add_module("\\x1b]0;title\\x07\\x1b[2J", layer)`` is
+allowed, and printed as it is it would retitle and clear the terminal. The text reporters
+print such strings through :func:`printable`, which writes the characters that would act
+on a terminal (or hide the text around them) as visible escapes: ``\\x1b``, ``\\u202e``.
+The values themselves are not changed: the JSON report keeps them as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: C0 controls (newline and tab included: inside a name they are not layout), DEL, C1
+#: controls, the bidirectional marks, embeddings, overrides and isolates (which reorder the
+#: text around them), the line and paragraph separators, and lone surrogates (which no
+#: terminal encoding can write).
+UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+    "\ud800-\udfff]"
+)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character :data:`UNSAFE` matches written as an escape (``\\x1b``,
+    ``\\u202e``); the same string when there is none."""
+    return UNSAFE.sub(_escape, text) if UNSAFE.search(text) else text
+
+
+def printable_values(value: T) -> T:
+    """``value`` with every string inside it made :func:`printable`: the fields of
+    dataclasses (rebuilt with :func:`dataclasses.replace`), the items of tuples and lists,
+    the keys and values of dicts. The same object, not a copy, where no string changed."""
+    result: T = _printable(value)
+    return result
+
+
+def _printable(value: Any) -> Any:
+    kind = type(value)
+    if kind is str:
+        return printable(value)
+    if kind in (int, float, bool) or value is None:
+        return value
+    if kind is tuple or kind is list:
+        items = [_printable(item) for item in value]
+        changed = any(new is not old for new, old in zip(items, value, strict=True))
+        return kind(items) if changed else value
+    if kind is dict:
+        pairs = [(_printable(key), _printable(item)) for key, item in value.items()]
+        changed = any(new_key is not key or new is not item
+                      for (new_key, new), (key, item) in zip(pairs, value.items(), strict=True))
+        return dict(pairs) if changed else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {}
+        for field in dataclasses.fields(value):
+            if field.init:
+                old = getattr(value, field.name)
+                new = _printable(old)
+                if new is not old:
+                    changes[field.name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    return value  # enums (their values are memsentry's), and anything else as it is
+
+
+__all__ = ["UNSAFE", "printable", "printable_values"]
