@@ -40,6 +40,7 @@ from memsentry.record.layers import (
 from memsentry.record.parts import LiveSaved, Parts, Saved
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
+from memsentry.record.threads import Owner
 from memsentry.record.timeline import IterationClock
 
 
@@ -151,8 +152,10 @@ class ForwardRecorder:
                  stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
                  saved: bool, coverage: Coverage, parts: Parts,
                  start_backend: Callable[[nn.Module, Any], None],
-                 iteration_start: Callable[[nn.Module], None]) -> None:
+                 iteration_start: Callable[[nn.Module], None], owner: Owner) -> None:
         self.active = False
+        self._owner = owner
+        self.other_threads = 0  # calls of the model from threads other than the loop's
         self._parts = parts
         self.failures = FailureWatch()
         self.coverage = coverage
@@ -299,6 +302,11 @@ class ForwardRecorder:
                     f"{listed} ran under saved-tensor hooks of their own (`{label}`): what they "
                     "saved for backward went to those hooks, as without memsentry, and is not "
                     "measured (their `saved` column is empty); memory at their boundaries is.")
+        if self.other_threads:
+            notes.append(
+                f"{self.other_threads:,} module calls of the tracked model came from threads "
+                "other than the loop's and were not measured (each thread's loop can have its "
+                "own tracker).")
         if self.recomputed:
             listed = ", ".join(f"`{n}`" for n in sorted(self.recomputed)[:8])
             notes.append(
@@ -317,6 +325,16 @@ class ForwardRecorder:
         if in_backward():
             self._recomputed(module)
             return True
+        return not self._owner.mine() and not self._adopted()
+
+    def _adopted(self) -> bool:
+        """A call from a thread not the loop's: a tracker given a model follows the thread
+        that calls it first; later calls from other threads are another loop's (counted)."""
+        if self._owner.adoptable and not self.stack and not self._clock.calls \
+                and not self._clock.index:
+            self._owner.adopt()
+            return True
+        self.other_threads += 1
         return False
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -361,7 +379,7 @@ class ForwardRecorder:
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return
         stack = self.stack
-        if not self.active or not stack or in_backward():
+        if not self.active or not stack or in_backward() or not self._owner.mine():
             return
         record = self._registry.record_for(module, None)
         if stack[-1].record is not record and all(c.record is not record for c in stack):

@@ -11,6 +11,7 @@ else replaced it since (it is then left alone, and the wrapper does nothing).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from memsentry.record.calls import in_backward
 #: wrapper however many trackers run, so that nesting never chains wrappers).
 _listeners: list[PlainPasses] = []
 _installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+_lock = threading.Lock()
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,20 +54,22 @@ class PlainPasses:
 
     def install(self) -> None:
         global _installed
-        if self in _listeners:
-            return
-        if _installed is None or torch.autograd.backward is not _installed[1]:
-            original = torch.autograd.backward
-            _installed = (original, _wrap(original))
-            torch.autograd.backward = _installed[1]
-        _listeners.append(self)
+        with _lock:  # trackers of several threads start and stop at any time
+            if self in _listeners:
+                return
+            if _installed is None or torch.autograd.backward is not _installed[1]:
+                original = torch.autograd.backward
+                _installed = (original, _wrap(original))
+                torch.autograd.backward = _installed[1]
+            _listeners.append(self)
 
     def remove(self) -> None:
         global _installed
-        if self in _listeners:
-            _listeners.remove(self)
-        if not _listeners and _installed is not None:
-            original, wrapper = _installed
-            if torch.autograd.backward is wrapper:  # else someone replaced it since: leave it
-                torch.autograd.backward = original
-            _installed = None
+        with _lock:
+            if self in _listeners:
+                _listeners.remove(self)
+            if not _listeners and _installed is not None:
+                original, wrapper = _installed
+                if torch.autograd.backward is wrapper:  # else replaced since: leave it
+                    torch.autograd.backward = original
+                _installed = None

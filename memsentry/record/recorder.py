@@ -7,7 +7,6 @@ Nothing here keeps a module or a tensor alive, and nothing changes what the mode
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 import types
@@ -23,7 +22,6 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 from torch.optim import optimizer as optimizer_module
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memsentry.measure import (
     MemoryBackend,
@@ -47,6 +45,7 @@ from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import CensusSchedule, census_due
 from memsentry.record.signals import Action, Signals
+from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_hook_id
 from memsentry.record.timeline import IterationClock, Timeline
 
 Counters = tuple[dict[str, Any] | None, dict[str, Any] | None]
@@ -112,6 +111,7 @@ class Recorder:
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
         self._parts = Parts(model)
+        self._owner = Owner(adoptable=model is not None)
         self._sampler = Sampler(self._stack, running, self._parts)
         self._coverage = Coverage(options.overhead)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
@@ -119,13 +119,14 @@ class Recorder:
         self._roots = RootCalls(self._clock, self._backward_ended)
         self._plain = PlainPasses(self._plain_backward)
         self._signals = Signals()
-        self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget)
+        self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget,
+                                        self._owner)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
             saved=options.saved_tensors, coverage=self._coverage, parts=self._parts,
             start_backend=self._start_lazily,
-            iteration_start=self._outermost_call,
+            iteration_start=self._outermost_call, owner=self._owner,
         )
         self._handles: list[Any] = []
         self._overall_peak = 0
@@ -136,6 +137,7 @@ class Recorder:
     # -- start and stop --------------------------------------------------------------------
     def start(self) -> None:
         """Install the hooks; on failure, remove what was installed and raise."""
+        self._owner.claim()
         self._set_active(True)
         self._clock.started = time.perf_counter()
         try:
@@ -157,10 +159,8 @@ class Recorder:
         else:
             self._handles += [register_module_forward_pre_hook(forward.pre_forward),
                               register_module_forward_hook(forward.post_forward, always_call=True)]
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        listen_to_steps(self._optimizer_stepped)
         self._plain.install()
-        if self.options.holders:
-            gc.callbacks.append(self._censuses.gc_event)
 
     def stop(self) -> None:
         """Close the partial iteration, remove every hook and forget every module."""
@@ -185,11 +185,11 @@ class Recorder:
     def _teardown(self) -> None:
         for handle in self._handles:
             handle.remove()
+        forget_steps(self._optimizer_stepped)
         self._plain.remove()
         self._handles.clear()
         self._forward.unhook_modules()
-        if self._censuses.gc_event in gc.callbacks:
-            gc.callbacks.remove(self._censuses.gc_event)
+        self._censuses.unwatch_collections()
         self._roots.settle(everything=True)
         self._forward.pop_saved_hooks()
         backend = self._sampler.backend
@@ -220,8 +220,8 @@ class Recorder:
 
     # -- iterations ------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.active or nested_step(optimizer):
-            return
+        if not self.active or not self._owner.mine() or nested_step(optimizer):
+            return  # another thread's optimizer is another loop's
         self._parts.add_optimizer(optimizer)
         if self._signals.primary(optimizer):  # not a second one (GAN, multi-task)
             self._signal(Boundary.OPTIMIZER)
@@ -232,7 +232,7 @@ class Recorder:
 
     def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
         """A backward pass where no module was called (weights updated by hand) ends here."""
-        if self.active and not self._signals.module_seen:
+        if self.active and not self._signals.module_seen and self._owner.mine():
             if self._sampler.backend is None:  # no module ran to pick the device
                 self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)
@@ -309,6 +309,9 @@ class Recorder:
         model = self._model_ref() if self._model_ref is not None else None
         handles = [*self._handles, *self._forward.module_handles()]
         own = {handle.id for handle in handles if hasattr(handle, "id")}
+        step_hook = step_hook_id()
+        if step_hook is not None:
+            own.add(step_hook)
         named = [(name, obj, role) for name, ref, role in self._named
                  if (obj := ref()) is not None]
         return {"model": model, "own_hooks": own, "skip": {id(self)}, "named": named}

@@ -1,5 +1,7 @@
 """When censuses are taken, and taking them: after warm-up, then at doubling gaps, each
-within a time budget; what the interpreter's own full collections free is measured between."""
+within a time budget. Once a census found tensors in garbage cycles, what the interpreter's own
+full collections free is measured between censuses (a ``gc.callbacks`` entry, added only then:
+Python code run by the collector can lose an exception, so none runs before it is useful)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from memsentry.census.take import GRAPH_SHARE, Named
 from memsentry.model import Census
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.sampler import Sampler
+from memsentry.record.threads import Owner, collector_paused
 
 #: The first census comes after the warm-up iterations the rules leave out.
 FIRST_CENSUS = 2
@@ -35,8 +38,10 @@ class CensusSchedule:
     them. Its memory and what its own collections free are kept out of the sampler's figures
     (``sampler.own``)."""
 
-    def __init__(self, sampler: Sampler, registry: LayerRegistry, budget: float) -> None:
+    def __init__(self, sampler: Sampler, registry: LayerRegistry, budget: float,
+                 owner: Owner | None = None) -> None:
         self.active = False
+        self._owner = owner
         self.censuses: list[Census] = []
         self.errors: list[str] = []
         self.budget = budget
@@ -54,13 +59,21 @@ class CensusSchedule:
         """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
         backend = self._sampler.backend
         if info.get("generation") != 2 or backend is None or not self.active \
-                or self._collecting:
+                or self._collecting or (self._owner is not None and not self._owner.mine()):
             return
         if phase == "start":
             self._full_start = backend.allocated()
         else:
             self._full_collections += 1
             self._full_freed += max(0, self._full_start - backend.allocated())
+
+    def watch_collections(self) -> None:
+        if self.gc_event not in gc.callbacks:
+            gc.callbacks.append(self.gc_event)
+
+    def unwatch_collections(self) -> None:
+        if self.gc_event in gc.callbacks:
+            gc.callbacks.remove(self.gc_event)
 
     def take(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
              skip: set[int], named: Sequence[Named] = ()) -> None:
@@ -75,13 +88,13 @@ class CensusSchedule:
         try:
             garbage = garbage_census(backend.allocated, collections, freed,
                                      everything=self._cycles_seen)
-            self._cycles_seen = self._cycles_seen or garbage.tensors > 0
+            if garbage.tensors > 0 and not self._cycles_seen:
+                self._cycles_seen = True
+                self.watch_collections()
             # The walk's short-lived records would start collections of the oldest
             # generation, which in a process of millions of objects take longer than the
             # walk itself (0.17 s of a 0.5 s budget beside 3 million tuples).
-            enabled = gc.isenabled()
-            gc.disable()
-            try:
+            with collector_paused():
                 census = take_census(
                     iteration,
                     frame=sys._getframe(1),
@@ -94,9 +107,6 @@ class CensusSchedule:
                     garbage=garbage,
                     named=named,
                 )
-            finally:
-                if enabled:
-                    gc.enable()
         except Exception as exc:  # the user's loop must go on whatever the search meets
             self.errors.append(
                 f"The holder search at iteration {iteration} failed "

@@ -1,0 +1,115 @@
+"""Trackers in threads: which thread a tracker's loop runs in, and the process-wide pieces that
+several trackers share without one thread ever changing what another is reading.
+
+- Each tracker's loop belongs to one thread (:class:`Owner`): the thread that started it, or,
+  for a tracker given a model, the thread that calls that model first. Module calls,
+  optimizer steps and backward calls from other threads are not its own.
+- PyTorch runs the global optimizer step hooks in a Python ``for`` loop over its registry, so
+  registering or removing one while another thread steps an optimizer raises
+  ``OrderedDict mutated during iteration`` in that thread. memsentry registers one hook for
+  the process (:func:`listen_to_steps`), which calls the trackers listening now (a tuple,
+  replaced whole, never changed in place), and removes it only when no other thread runs.
+- A census pauses the garbage collector; trackers in several threads pause it together
+  (:func:`collector_paused`), and the last one to finish puts back what the user had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
+
+StepListener = Callable[[Any, Any, Any], None]
+
+
+class Owner:
+    """The thread whose loop a tracker measures."""
+
+    __slots__ = ("adoptable", "ident")
+
+    def __init__(self, *, adoptable: bool) -> None:
+        self.ident: int | None = None
+        # A tracker given a model follows the thread that calls it first, when that is not
+        # the thread that started it (a loop started in one thread and run in another).
+        self.adoptable = adoptable
+
+    def claim(self) -> None:
+        self.ident = threading.get_ident()
+
+    def mine(self) -> bool:
+        return threading.get_ident() == self.ident
+
+    def adopt(self) -> None:
+        self.ident = threading.get_ident()
+
+
+# -- the optimizer step hook of the process ------------------------------------------------
+_lock = threading.Lock()
+_listeners: tuple[StepListener, ...] = ()
+_handle: RemovableHandle | None = None
+
+
+def _dispatch(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for listener in _listeners:
+        listener(optimizer, args, kwargs)
+
+
+def listen_to_steps(listener: StepListener) -> None:
+    """Call ``listener(optimizer, args, kwargs)`` after every optimizer step."""
+    global _listeners, _handle
+    with _lock:
+        if listener not in _listeners:
+            _listeners = (*_listeners, listener)
+        if _handle is None:
+            _handle = register_optimizer_step_post_hook(_dispatch)
+
+
+def forget_steps(listener: StepListener) -> None:
+    """Stop calling ``listener``. The process's hook goes when nothing listens and no other
+    thread runs (one that does might be stepping an optimizer: removing the hook then would
+    break its step); else it stays, calling nobody, until a later stop can remove it."""
+    global _listeners, _handle
+    with _lock:
+        _listeners = tuple(known for known in _listeners if known != listener)
+        if not _listeners and _handle is not None and threading.active_count() == 1:
+            _handle.remove()
+            _handle = None
+
+
+def step_hook_id() -> int | None:
+    """The id of memsentry's optimizer step hook in PyTorch's registry (``None``: none)."""
+    handle = _handle
+    return handle.id if handle is not None else None
+
+
+# -- the garbage collector, paused by censuses ----------------------------------------------
+_paused = 0
+_was_enabled = True
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Automatic collections off for the block; the user's setting back when the last
+    overlapping block (of any thread) ends."""
+    global _paused, _was_enabled
+    with _lock:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
+
+
+__all__ = ["Owner", "collector_paused", "forget_steps", "listen_to_steps",
+           "step_hook_id"]

@@ -1,0 +1,140 @@
+"""Trackers in threads: each thread's tracker counts its own loop (module calls, optimizer
+steps, backward passes), nothing crashes or raises in any thread, results are bit for bit
+those of the untracked run, and what several trackers share (the optimizer step hook, the
+paused garbage collector) is as the user left it when they are done. Each case is repeated:
+the failures these tests guard against came in 1 of 15 runs."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import memsentry
+
+STEPS = 12
+REPEATS = 8
+_SEEDING = threading.Lock()
+
+
+def _loop(seed: int, tracker_of: Callable[[nn.Module], memsentry.Tracker | None],
+          results: dict[int, Any], steps: int = STEPS) -> None:
+    """A training loop of its own (model, optimizer, data) in the calling thread."""
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        with _SEEDING:  # the global generator is the process's: one thread at a time
+            torch.manual_seed(seed)
+            model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        tracker = tracker_of(model)
+        if tracker is not None:
+            tracker.start()
+        kept = []
+        try:
+            for step in range(steps):
+                loss = model(torch.randn(16, 32, generator=gen)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=step % 2 == 0)
+                if seed == 1:  # this thread's loop leaks; the others do not
+                    kept.append(loss)
+        finally:
+            report = tracker.stop() if tracker is not None else None
+        results[seed] = (report, [p.detach().clone() for p in model.parameters()])
+    except BaseException as error:  # noqa: BLE001 - the test reports it
+        results[seed] = error
+
+
+def _threads(tracker_of: Callable[[nn.Module], memsentry.Tracker | None],
+             count: int) -> dict[int, Any]:
+    results: dict[int, Any] = {}
+    threads = [threading.Thread(target=_loop, args=(seed, tracker_of, results))
+               for seed in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a tracked thread hung"
+    return results
+
+
+def _untracked(seed: int) -> list[torch.Tensor]:
+    results: dict[int, Any] = {}
+    _loop(seed, lambda model: None, results)
+    return results[seed][1]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("how", ["track(model)", "track()"])
+def test_trackers_in_threads_count_their_own_loop_and_change_nothing(count: int,
+                                                                      how: str) -> None:
+    def tracker_of(model: nn.Module) -> memsentry.Tracker:
+        if how == "track()":
+            return memsentry.track(on_leak="ignore")
+        return memsentry.track(model, on_leak="ignore")
+
+    expected = {seed: _untracked(seed) for seed in range(count)}
+    gc_was = gc.isenabled()
+    for _ in range(REPEATS):
+        results = _threads(tracker_of, count)
+        for seed in range(count):
+            outcome = results[seed]
+            assert not isinstance(outcome, BaseException), f"thread {seed}: {outcome!r}"
+            report, params = outcome
+            assert len(report.iterations) == STEPS, f"thread {seed}"
+            assert all(it.boundary is memsentry.Boundary.OPTIMIZER for it in report.iterations)
+            assert {layer.name for layer in report.layers} >= {"0", "1", "2"}
+            assert all(layer.calls == STEPS for layer in report.layers
+                       if layer.name in ("0", "1", "2")), f"thread {seed}"
+            for a, b in zip(expected[seed], params, strict=True):
+                assert torch.equal(a, b)
+    assert gc.isenabled() == gc_was
+
+
+def test_each_thread_is_judged_on_its_own_holders() -> None:
+    results = _threads(lambda model: memsentry.track(model, on_leak="ignore"), 3)
+    leaks = {seed: [f.subject.name for f in results[seed][0].findings
+                    if f.severity is memsentry.Severity.LEAK and f.subject is not None]
+             for seed in range(3)}
+    assert leaks[1] == ["kept"]  # the loop that keeps its losses
+    assert leaks[0] == [] and leaks[2] == []
+
+
+def test_a_tracker_with_no_model_ignores_an_untracked_thread() -> None:
+    """Global hooks see every module call of the process: another thread's loop is not this
+    tracker's, neither its calls nor its optimizer steps."""
+    results: dict[int, Any] = {}
+    other = threading.Thread(target=_loop, args=(5, lambda model: None, results, 200))
+    with memsentry.track(on_leak="ignore") as tracker:
+        other.start()
+        _loop(0, lambda model: None, results)
+    other.join(timeout=120)
+    report = tracker.report()
+    assert not isinstance(results[5], BaseException)
+    assert len(report.iterations) == STEPS
+    assert max(layer.calls for layer in report.layers) == STEPS
+
+
+def test_a_loop_run_in_another_thread_than_the_tracker_started_in_is_followed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train() -> None:
+        for _ in range(STEPS):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    with memsentry.track(model, on_leak="ignore") as tracker:
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join(timeout=60)
+    report = tracker.report()
+    assert len(report.iterations) == STEPS
+    assert report.layer("0").calls == STEPS
