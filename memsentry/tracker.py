@@ -25,7 +25,7 @@ from memsentry.model import Finding, ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
 from memsentry.record.options import SNAPSHOT_ENTRIES
 from memsentry.record.paths import unwritable
-from memsentry.record.ranks import RankInfo, begin_block, rank_info, share
+from memsentry.record.ranks import RankInfo, begin_block, gather_limit, rank_info, share
 from memsentry.record.snapshot import SnapshotRecording, with_snapshot_options, write_snapshot
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
@@ -244,7 +244,7 @@ class Tracker:
                 reports = [own, *(None if text is None else ReportData.from_dict(
                     json.loads(text)) for text in found[1:])]
                 self._combined = Report.from_data(
-                    combine(reports, self._options.gather_timeout))
+                    combine(reports, gather_limit(self._options.gather_timeout)))
         except Exception:  # a broken store or a bad payload: each rank keeps its own report
             self._combined = None
 

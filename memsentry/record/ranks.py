@@ -9,6 +9,11 @@ left the block early, raised or died costs rank 0 the timeout at most and never 
 and a rank that tracks nothing (tracking on rank 0 only) costs it a grace of 2 seconds. Ranks
 number their tracked blocks in the same order, so the n-th block of each rank meets the n-th
 of the others.
+
+Rank 0 waits in slices of a quarter of a second, so that a signal handler runs while it waits
+(python runs them between slices only); a handler that learns the job is being stopped calls
+:func:`hurry`, which brings the deadline closer: rank 0 then combines the reports that came
+and names the ranks whose did not.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +75,13 @@ class _Handoff:
         self.store: Any = None
         self.block: int | None = None
         self.announced = False
+        #: The monotonic time by which a hurried wait ends (:func:`hurry`), and the seconds
+        #: the last wait allowed.
+        self.hurried: float | None = None
+        self.allowed: float | None = None
+        #: Called with this rank and its report (JSON) before the report is handed over and
+        #: rank 0 waits for the others: ``memsentry run`` saves each rank's own there first.
+        self.keep: Callable[[int, str], None] | None = None
 
     def current(self) -> Any:
         dist = _dist()
@@ -82,6 +95,7 @@ class _Handoff:
     def begin(self) -> None:
         """A tracked block begins."""
         self.block, self.announced = next(_blocks), False
+        self.hurried = self.allowed = None
         self.announce()
 
     def announce(self) -> None:
@@ -106,6 +120,8 @@ def _key(block: int, rank: int, what: str) -> str:
 HANDOFF = _Handoff()
 #: Seconds rank 0 gives a rank that has not said it tracks the block to say so.
 GRACE = 2.0
+#: Seconds of one wait on the store: python runs signal handlers between them.
+SLICE = 0.25
 
 
 def begin_block() -> None:
@@ -121,12 +137,39 @@ def remember_store() -> None:
         HANDOFF.announce()
 
 
-def _arrived(store: Any, key: str, seconds: float) -> bool:
-    try:
-        store.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
-        return True
-    except (RuntimeError, TimeoutError, ValueError):  # not written in time
-        return False
+def hurry(seconds: float) -> None:
+    """End rank 0's wait for the other ranks' reports (the one running, or the next) within
+    ``seconds`` from now: the job is being stopped (a signal handler calls it)."""
+    until = time.monotonic() + seconds
+    HANDOFF.hurried = until if HANDOFF.hurried is None else min(HANDOFF.hurried, until)
+
+
+def gather_limit(timeout: float) -> float:
+    """The seconds rank 0's last wait allowed: ``timeout``, or less where it was hurried."""
+    return timeout if HANDOFF.allowed is None else min(timeout, HANDOFF.allowed)
+
+
+def _until(deadline: float) -> float:
+    return deadline if HANDOFF.hurried is None else min(deadline, HANDOFF.hurried)
+
+
+def _arrived(store: Any, key: str, deadline: float) -> bool:
+    """Whether ``key`` is in the store by the monotonic time ``deadline`` (or a hurried
+    one), waiting for it in slices of :data:`SLICE` seconds."""
+    while True:
+        started = time.monotonic()
+        left = _until(deadline) - started
+        ask = max(min(left, SLICE), 0.001)
+        try:
+            store.wait([key], datetime.timedelta(seconds=ask))
+            return True
+        except (RuntimeError, TimeoutError, ValueError):  # not written yet
+            pass
+        if _until(deadline) - time.monotonic() <= 0:
+            return False
+        early = ask - (time.monotonic() - started)
+        if early > 0.01:  # a store that fails at once: no faster than one try a slice
+            time.sleep(early)
 
 
 def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | None:
@@ -139,17 +182,25 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
     HANDOFF.block = None
     if store is None or block is None:
         return None
+    if HANDOFF.keep is not None:
+        try:
+            HANDOFF.keep(info.rank, payload)
+        except Exception:  # saving it is the keeper's business: the handoff goes on
+            pass
     store.set(_key(block, info.rank, "report"), payload)
     if info.rank != 0:
         return None
     found: list[str | None] = [payload]
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     for rank in range(1, info.world_size):
-        left = deadline - time.monotonic()
-        tracking = _arrived(store, _key(block, rank, "tracking"), min(GRACE, left))
+        tracking = _arrived(store, _key(block, rank, "tracking"),
+                            min(time.monotonic() + GRACE, deadline))
         report = _key(block, rank, "report")
         found.append(store.get(report).decode("utf-8")
-                     if tracking and _arrived(store, report, left) else None)
+                     if tracking and _arrived(store, report, deadline) else None)
+    if HANDOFF.hurried is not None:
+        HANDOFF.allowed = round(max(_until(deadline) - started, 0.0), 1)
     for rank in range(info.world_size):  # the store outlives the block: leave it clean
         for what in ("tracking", "report"):
             try:
@@ -159,5 +210,5 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
     return found
 
 
-__all__ = ["GRACE", "HANDOFF", "RankInfo", "begin_block", "rank_info", "remember_store",
-           "share"]
+__all__ = ["GRACE", "HANDOFF", "SLICE", "RankInfo", "begin_block", "gather_limit", "hurry",
+           "rank_info", "remember_store", "share"]
