@@ -155,7 +155,10 @@ def test_a_clean_ddp_loop_is_combined_on_rank_0_with_no_finding(folder: Path) ->
         assert (seen["rank"], seen["world_size"]) == (rank, 2)
         # The model's own names, through the DDP wrapper.
         assert seen["layers"][:4] == ["DistributedDataParallel", "Sequential", "0", "1"]
-        assert seen["findings"] == []
+        # No verdict; a hint of heap growth may come from what a loaded machine does to the
+        # process heap (glibc's counters count it all), never one of another rule.
+        assert [f for f in seen["findings"] if f["severity"] != "hint"] == []
+        assert {f["rule"] for f in seen["findings"]} <= {"memory-growth"}
     assert ranks[0]["ranks"] == [0, 1]  # rank 0 combines both
     assert ranks[1]["ranks"] == []  # the others keep their own
     assert "Ranks (2 of 2 reported" in ranks[0]["text"]
