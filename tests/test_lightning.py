@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import memsentry
@@ -41,7 +42,12 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.keep.startswith("checkpointed"):  # not a leak: activation checkpointing
+            reentrant = self.keep == "checkpointed-reentrant"  # needs an input with grad
+            logits = checkpoint(self.net, x.requires_grad_(reentrant), use_reentrant=reentrant)
+        else:
+            logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
         if self.fail_at is not None and self.global_step == self.fail_at:
             raise ValueError(f"bad batch {batch_idx}")
         if self.keep == "train":
@@ -179,6 +185,24 @@ def test_results_are_bitwise_the_same_with_the_callback() -> None:
     assert plain.seen == tracked.seen
     for a, b in zip(plain.state_dict().values(), tracked.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keep", ["checkpointed", "checkpointed-reentrant"])
+def test_activation_checkpointing_in_training_step_runs_bitwise_with_no_finding(
+        keep: str) -> None:
+    plain, tracked = made(keep), made(keep)
+    fit(plain, [])
+    callback = MemsentryCallback(print_report=False)
+    fit(tracked, [callback])
+    assert plain.seen == tracked.seen
+    for a, b in zip(plain.state_dict().values(), tracked.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    report = callback.report
+    assert report is not None and report.findings == ()
+    steps = [it for it in report.iterations if it.boundary is memsentry.Boundary.OPTIMIZER]
+    assert len(steps) == 3 * 16
+    assert any("inside backward passes" in note for note in report.notes)
+    assert_unhooked(tracked)
 
 
 def test_gradient_accumulation_makes_one_iteration_of_each_optimizer_step() -> None:
