@@ -70,13 +70,13 @@ def _untracked(seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("count", [2, 3])
-@pytest.mark.parametrize("how", ["track(model)", "track()"])
+@pytest.mark.parametrize("how", ["track(model)", "track()", "exact"])
 def test_trackers_in_threads_count_their_own_loop_and_change_nothing(count: int,
                                                                       how: str) -> None:
     def tracker_of(model: nn.Module) -> memsentry.Tracker:
         if how == "track()":
             return memsentry.track(on_leak="ignore")
-        return memsentry.track(model, on_leak="ignore")
+        return memsentry.track(model, on_leak="ignore", exact=how == "exact")
 
     expected = {seed: _untracked(seed) for seed in range(count)}
     gc_was = gc.isenabled()
