@@ -168,6 +168,13 @@ def test_checkpointed_layers_keep_nothing_and_the_report_says_they_are_recompute
     assert "ran again inside backward passes" in notes
 
 
+def test_selective_checkpointing_is_told_apart_from_plain_checkpointing() -> None:
+    _, _, report = _run("selective checkpoint", "nothing around", "track(model)")
+    assert report is not None
+    assert _layers(report)["block.0"].saved_bytes is None  # the policy keeps its mm outputs
+    assert any("ran under selective activation checkpointing" in n for n in report.notes)
+
+
 def test_layers_under_the_users_own_hooks_are_not_measured_and_their_hooks_see_everything(
         ) -> None:
     _USER_HOOKS.clear()

@@ -23,6 +23,7 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.hooks import RemovableHandle
 
 from memsentry.measure import StorageBackend
@@ -68,6 +69,16 @@ def hooks_label(pack: Callable[..., Any]) -> str:
 
 #: The label of activation checkpointing's hooks (non-reentrant ``torch.utils.checkpoint``).
 CHECKPOINT = "activation checkpointing"
+#: ... and with a policy of ops whose outputs are kept (``create_selective_checkpoint_contexts``)
+SELECTIVE = "selective activation checkpointing"
+
+
+def _selective() -> bool:
+    """Whether selective checkpointing's caching mode is on the dispatch stack: the outputs
+    its policy keeps are held by that mode, not given to saved-tensor hooks."""
+    return any(type(mode).__name__ == "_CachingTorchDispatchMode"
+               and type(mode).__module__ == "torch.utils.checkpoint"
+               for mode in _get_current_dispatch_mode_stack())
 
 
 def unpack(packed: Saved | tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -297,6 +308,12 @@ class ForwardRecorder:
                     f"{listed} ran under activation checkpointing: between forward and "
                     "backward they keep nothing for backward (their `saved` is 0); what they "
                     "save is recomputed during the backward pass, in the backward figures.")
+            elif label == SELECTIVE:
+                notes.append(
+                    f"{listed} ran under selective activation checkpointing: the outputs its "
+                    "policy keeps are held by checkpointing, out of memsentry's sight (their "
+                    "`saved` column is empty); the rest is recomputed during the backward "
+                    "pass, in the backward figures.")
             else:
                 notes.append(
                     f"{listed} ran under saved-tensor hooks of their own (`{label}`): what they "
@@ -433,6 +450,8 @@ class ForwardRecorder:
         if top is None or top[0] == self.pack:
             return None
         label = hooks_label(top[0])
+        if label == CHECKPOINT and _selective():
+            label = SELECTIVE
         if name not in self.foreign_hooks:
             self.foreign_hooks[name] = label
         return label
