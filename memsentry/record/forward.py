@@ -53,7 +53,14 @@ class SavedTensorVersionError(RuntimeError):
 UNCHECKED = -1
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+def _no_hooks_known(ignore_is_tracing: bool) -> None:
+    return None
+
+
+#: The saved-tensor hooks on top of this thread's stack, ``(pack, unpack)`` or ``None``. A torch
+#: without the function (older than memsentry's tests reach) is taken to have none.
+_top_hooks: Callable[[bool], tuple[Any, Any] | None] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", _no_hooks_known)
 
 
 def hooks_label(pack: Callable[..., Any]) -> str:
