@@ -112,14 +112,14 @@ def from_plain(kind: Any, data: Any, where: str = "value", *, signed: bool = Fal
     origin = typing.get_origin(kind)
     if origin in (types.UnionType, typing.Union):
         return _union(kind, data, where, signed, depth)
+    if kind is Any:
+        return _plain(data, where, depth)
     if data is None:
         raise _bad(where, _name(kind), data)
     if origin is tuple:
         return _tuple(kind, data, where, signed, depth)
     if origin is dict:
         return _dict(kind, data, where, depth)
-    if kind is Any:
-        return _plain(data, where, depth)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return build(kind, data, where, depth=depth)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -190,13 +190,19 @@ def _number(kind: type, data: Any, where: str, signed: bool) -> int | float:
     if isinstance(data, bool) or not isinstance(data, int | float) or (
             kind is int and isinstance(data, float)):
         raise _bad(where, kind.__name__, data)
-    if isinstance(data, float) and not math.isfinite(data):
+    value = data
+    if kind is float:
+        try:
+            value = float(data)
+        except OverflowError:  # a whole number of 309 digits or more
+            raise _bad(where, "float below 2**64", data) from None
+    if isinstance(value, float) and not math.isfinite(value):
         raise _bad(where, f"a finite {kind.__name__}", data)
-    if not signed and data < 0:
+    if not signed and value < 0:
         raise _bad(where, f"{kind.__name__} of 0 or more", data)
-    if abs(data) >= LIMIT:
+    if abs(value) >= LIMIT:
         raise _bad(where, f"{kind.__name__} below 2**64", data)
-    return float(data) if kind is float else data
+    return value
 
 
 def _plain(data: Any, where: str, depth: int) -> Any:

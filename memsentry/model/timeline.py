@@ -81,9 +81,10 @@ def growth_per_iteration(
     iterations: Sequence[IterationStats], *, warmup: int, at_least: int = 2
 ) -> float | None:
     """Least-squares slope of allocated bytes (per iteration) over the complete iterations
-    after the first ``warmup``; ``None`` when fewer than ``at_least`` remain."""
+    after the first ``warmup``; ``None`` when fewer than ``at_least`` remain, or when they
+    share one index (a report edited by hand: no slope)."""
     its = complete(iterations, skip=warmup)
-    if len(its) < max(at_least, 2):
+    if len(its) < max(at_least, 2) or len({it.index for it in its}) < 2:
         return None
     return statistics.linear_regression(
         [float(it.index) for it in its], [float(it.allocated) for it in its]

@@ -210,12 +210,18 @@ def render_header(report: ReportData) -> str:
     return "\n".join(parts)
 
 
+def _nvml_bytes(nvml: dict[str, Any], key: str) -> str:
+    """A figure of NVML's free-form record: ``-`` where it is absent or not a number."""
+    value = nvml.get(key)
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return format_bytes(value if ok else None)
+
+
 def _nvml_line(nvml: dict[str, Any]) -> str:
     if not nvml.get("available"):
         return f"NVML: unavailable: {nvml.get('reason')}"
-    used, total = format_bytes(nvml.get("used")), format_bytes(nvml.get("total"))
-    line = f"NVML: device used {used} of {total}, this process "
-    line += format_bytes(nvml.get("process_used"))
+    line = (f"NVML: device used {_nvml_bytes(nvml, 'used')} of {_nvml_bytes(nvml, 'total')}, "
+            f"this process {_nvml_bytes(nvml, 'process_used')}")
     if nvml.get("gpu_utilization") is not None:
         line += f", GPU utilisation {nvml['gpu_utilization']}%"
     return line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, complete
@@ -30,6 +31,14 @@ def device_subject(report: ReportData) -> Subject:
     return Subject(SubjectKind.DEVICE, report.device)
 
 
+def _number(value: object) -> int | None:
+    """A figure of the backend's or NVML's free-form record, or ``None`` where it is not a
+    number."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return int(value)
+    return None
+
+
 @rule(FRAGMENTATION, severities={Severity.WASTE}, devices={"cuda"})
 def allocator_fragmentation(report: ReportData) -> list[Finding]:
     """CUDA: reserved memory far above the highest peak, or growing while the peak is flat:
@@ -51,7 +60,7 @@ def allocator_fragmentation(report: ReportData) -> list[Finding]:
     if not (growing or large):
         return []
     stats = report.allocator_stats or {}
-    split = stats.get("inactive_split_bytes.all.current")
+    split = _number(stats.get("inactive_split_bytes.all.current"))
     message = (
         f"{format_bytes(reserved)} reserved on {report.device} against a highest peak of "
         f"{format_bytes(peak)} after warm-up: {format_bytes(max(unused, 0))} the caching "
@@ -77,7 +86,7 @@ def allocator_fragmentation(report: ReportData) -> list[Finding]:
 def non_pytorch_memory(report: ReportData) -> list[Finding]:
     """CUDA + NVML: device memory of this process beyond what PyTorch reserved."""
     nvml = report.nvml or {}
-    used = nvml.get("process_used")
+    used = _number(nvml.get("process_used"))  # free-form: a report read back may hold anything
     if not is_cuda(report) or used is None or report.reserved is None:
         return []
     extra = int(used) - report.reserved
