@@ -1,13 +1,20 @@
 """The default first look at a test: how much glibc's heap in use grew from before its setup to
 after its teardown. Two ``mallinfo2()`` reads a test, nothing on the test's own ops.
 
+Both reads come after ``gc.collect()`` (:class:`pytest_memsentry.garbage.Collector`), so that
+cyclic garbage freed inside the window, the previous test's or the test's own, is counted in
+neither: collecting only at the end would subtract the previous test's garbage from this
+test's growth.
+
 The heap counts every C allocation of the process: CPU tensor storages, and also pytest's
 reports, captured output and the caches libraries fill on first use. So growth is only a
-suspicion. A test whose heap grew by more than :data:`TRIGGER` (or its ``max_leak``) after
-``gc.collect()`` is run again when every test has run, with its tensor storages counted one
-by one (:class:`pytest_memsentry.measure.Window`), and judged on those runs. A test leaking
-less than that per run is not seen by this check; ``--memsentry-strict`` counts storages on
-every test's first run.
+suspicion, never a verdict. A test whose heap grew by more than :data:`TRIGGER` (or its
+``max_leak``) is run again when every test has run (at once under ``--maxfail``), first
+reading the heap only (growth on the first run alone passes without a word: nothing names
+a tensor), then with its tensor storages counted one by one
+(:class:`pytest_memsentry.measure.Window`), and judged on those runs. A test leaking less
+than that per run is not seen by this check; ``--memsentry-strict`` counts storages on every
+test's first run.
 
 What wider-scoped fixtures allocate while they are set up during this test's setup is theirs,
 as in the exact window.
@@ -15,13 +22,13 @@ as in the exact window.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
 
 from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
 from memsentry.units import format_bytes
+from pytest_memsentry.garbage import Collector
 from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import DeviceFigures, Measurement
 
@@ -39,13 +46,15 @@ class HeapCheck:
     """One test's heap growth; the plugin calls :meth:`fixture_starting` and
     :meth:`fixture_done` around every wider-scoped fixture set up in between."""
 
-    def __init__(self) -> None:
+    def __init__(self, collector: Collector) -> None:
         self._heap = MallinfoBackend()
+        self._collector = collector
         self._start = 0
         self._fixtures = 0  # what wider-scoped fixtures allocated while they were set up
         self._stack: list[int] = []
 
     def start(self) -> None:
+        self._collector.collect()  # read as finish() reads the end
         self._start = self._heap.allocated()
 
     def abort(self) -> None:
@@ -67,12 +76,11 @@ class HeapCheck:
     def finish(self, item: pytest.Item, limits: Limits, *, judged: bool,
                holders: bool = True) -> Measurement:
         """The heap's growth as the CPU's figure when it passes the trigger (after
-        ``gc.collect()``, which frees what only reference cycles kept), else nothing."""
+        ``gc.collect()``, as at :meth:`start`), else nothing."""
         trigger = max(limits.max_leak, TRIGGER)
+        if judged:
+            self._collector.collect()
         grown = self.grown()
-        if judged and grown > trigger:
-            gc.collect()
-            grown = self.grown()
         if grown <= trigger:
             return Measurement((DeviceFigures("cpu", 0, 0, 0),), heap=True)
         note = (f"the process's heap grew by {format_bytes(grown)} over the test (glibc "

@@ -29,6 +29,7 @@ import pytest
 from _pytest.runner import runtestprotocol
 
 from memsentry.units import parse_size
+from pytest_memsentry.garbage import Collector
 from pytest_memsentry.marks import MARKERS, Limits, limits_for, marker_help
 from pytest_memsentry.repeat import Pending, run_twice
 from pytest_memsentry.results import (
@@ -148,6 +149,7 @@ class Manager:
         # memory once: listed at the end, failed only under --memsentry-strict
         self.pending: list[Pending] = []  # tests that left memory behind, to repeat
         self.cuda: CudaApi | None = None  # torch.cuda, once a test is measured
+        self.collector = Collector()  # gc.collect() around each heap check
         self.window: Window | HeapCheck | None = None
         self.fixture_growth: dict[Any, dict[int, int]] = {}
 
@@ -220,7 +222,7 @@ class Manager:
 
         if not (self.check == "storages" or self.strict or limits.max_peak is not None
                 or not heap.available() or torch.cuda.is_initialized()):
-            return heap.HeapCheck()
+            return heap.HeapCheck(self.collector)
         warm_up()
         if self.cuda is None:
             self.cuda = TorchCuda()
@@ -299,6 +301,9 @@ class Manager:
             else:
                 target.user_properties.append((RETAINED, check.long_repr))
         target.user_properties.append((NAME, entry.measurement.figures(verdict)))
+
+    def pytest_sessionfinish(self) -> None:
+        self.collector.release()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]

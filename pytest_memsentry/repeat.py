@@ -1,9 +1,10 @@
 """Telling growth from memory retained once: a test that left memory behind is run twice more
 when every test has run, and judged on what the last run kept beyond the one before. Both
 runs count tensor storages. When the first look at the test was the heap check, a run that
-reads the heap only comes first (a test whose heap grew on its first run only, a cache
-filled on first use, stops there, retained once), and the first counted run gives the
-figures and the holders the verdict shows.
+reads the heap only comes first: a test whose heap grew on its first run only (a cache
+filled on first use, torch's own one-time set-up of an op) stops there and passes without a
+line, since the heap names no tensor that a person could look for. Otherwise the first counted
+run gives the figures and the holders the verdict shows.
 
 A test that overwrites state on every call (``model.last = x``) or fills a cache on first use
 keeps memory after its first run but no more after the next: retained once. A test that
@@ -27,6 +28,7 @@ from pytest_memsentry.marks import Limits
 from pytest_memsentry.results import Measurement, Repeat, leaking
 
 if TYPE_CHECKING:
+    from pytest_memsentry.garbage import Collector
     from pytest_memsentry.heap import HeapCheck
     from pytest_memsentry.measure import CudaApi, Window
 
@@ -44,9 +46,11 @@ class Pending:
 
 
 class Measuring(Protocol):
-    """What the repeats need from the plugin: the CUDA calls, the fixtures' CUDA record, and
-    the window that wider-scoped fixtures set up during a run report to."""
+    """What the repeats need from the plugin: the CUDA calls, the fixtures' CUDA record, the
+    window that wider-scoped fixtures set up during a run report to, and the session's garbage
+    collections (for the heap check)."""
 
+    collector: Collector
     cuda: CudaApi | None
     fixture_growth: dict[object, dict[int, int]]
     window: Window | HeapCheck | None
@@ -61,7 +65,7 @@ def _run(entry: Pending, plugin: Measuring, *, holders: bool = False, heap: bool
 
     window: Window | HeapCheck
     if heap:
-        window = HeapCheck()
+        window = HeapCheck(plugin.collector)
     else:
         warm_up()
         # Only the run whose figures the verdict shows needs each storage's line: without
