@@ -29,6 +29,7 @@ from pytest_memsentry.results import (
     DeviceFigures,
     LeakedTensor,
     Measurement,
+    Repeat,
     allowance,
     judge,
     summary,
@@ -195,7 +196,7 @@ def test_progress_letter_and_a_leak_nobody_reachable_holds(pytester):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([
         "test_letters.py::test_cached: 3.9 KiB retained on cpu (limit 0 B) by 1 tensor still "
-        "alive after the test",
+        "alive after the test (allocated at test_letters.py:8)",  # no holder: the line
     ])
     result = pytester.runpytest("--memsentry", "--memsentry-strict")
     result.stdout.fnmatch_lines(["test_letters.py .L*"])
@@ -893,6 +894,27 @@ def test_judge_lists_ten_tensors_and_counts_the_rest():
     assert check.section.count("CACHE[") == 10
     assert "and 2 more (2.0 MiB)" in check.section
     assert judge(measurement, Limits(max_leak=12 * MiB)) == (None, [])
+
+
+def test_memory_retained_once_is_listed_only_with_something_to_look_for():
+    once = Repeat({"cpu": 0})  # the second run kept no more
+    heap = Measurement((DeviceFigures("cpu", 600 * 1024, 0, 0),), heap=True,
+                       notes=("the process's heap grew by 600 KiB over the test",))
+    assert judge(heap, Limits(), once) == (None, [])  # the heap's growth alone: no line
+    unnamed = Measurement((DeviceFigures("cpu", 4096, 4096, 1),),
+                          (LeakedTensor(4096, "cpu", None, None, "t.py:8"),))
+    check, _notes = judge(unnamed, Limits(), once)
+    assert check is not None and check.status == "retained" and not check.fails
+    assert check.long_repr == ("memsentry: 4.0 KiB retained on cpu (limit 0 B) by 1 tensor "
+                               "still alive after the test (allocated at t.py:8)")
+    named = Measurement((DeviceFigures("cpu", 4096, 4096, 1),),
+                        (LeakedTensor(4096, "cpu", "float32[1024]", "model.last (global)",
+                                      "t.py:8"),))
+    check, _notes = judge(named, Limits(), once)
+    assert check is not None and check.long_repr.endswith("(model.last (global))")
+    # Growth is judged on the counted runs, whatever started the closer look.
+    check, _notes = judge(unnamed, Limits(), Repeat({"cpu": 4096}))
+    assert check is not None and check.status == "leaked"
 
 
 def test_allowance_reads_back_at_least_the_value():
