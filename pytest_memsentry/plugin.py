@@ -12,7 +12,10 @@ pytest has dropped the test's fixture values), and when the test passed but leak
 the *call* report into a failure whose ``longrepr`` is the one-line verdict, with the details
 in a report section titled ``memsentry``. So a leaking test shows once, as ``LEAKED`` (``L``)
 (``PEAK EXCEEDED``, ``P``, above ``max_peak``), is listed in FAILURES and in the short
-summary with its verdict, and makes the exit code non-zero. A test that fails for its own
+summary with its verdict, and makes the exit code non-zero; since the report is a failure
+when it is logged, pytest counts it as one for ``-x`` and ``--maxfail`` (under which the
+repeats that tell growth from memory retained once run right after the test, not at the end).
+A test that fails for its own
 reason keeps its own failure; its leak is not judged (its traceback keeps its frames alive).
 Skipped tests are not checked. A plugin that runs the protocol itself for a test
 (pytest-rerunfailures with reruns) does so before memsentry; that test is then not checked.
@@ -150,6 +153,11 @@ class Manager:
         self.pending: list[Pending] = []  # tests that left memory behind, to repeat
         self.cuda: CudaApi | None = None  # torch.cuda, once a test is measured
         self.collector = Collector()  # gc.collect() around each heap check
+        # Repeat a test that left memory behind right after it (not when every test has run)
+        # where its verdict is needed at once: a pytest-xdist worker reports each test while
+        # it runs, and -x, --maxfail and --stepwise stop on the failures logged so far.
+        self.at_once = bool(hasattr(config, "workerinput") or config.getoption("maxfail", 0)
+                            or config.getoption("stepwise", False))
         self.window: Window | HeapCheck | None = None
         self.fixture_growth: dict[Any, dict[int, int]] = {}
 
@@ -199,10 +207,9 @@ class Manager:
         finally:
             self.window = None
         pending = self._judge(item, window, limits, reports)
-        if pending is not None and hasattr(self.config, "workerinput"):
-            # A pytest-xdist worker reports each test while it is the one running, so the
-            # repeats come at once (tests that rely on each other's state already cannot
-            # count on their order under xdist).
+        if pending is not None and self.at_once:
+            # Logged below as a failure if it grows, so that pytest counts it before the
+            # next test (its repeats' side effects come before the later tests then).
             self._conclude(pending, run_twice(pending, self))
         elif pending is not None:
             self.pending.append(pending)  # judged and logged when every test has run

@@ -184,3 +184,39 @@ def test_one_time_set_up_gets_no_line(pytester: pytest.Pytester, check: str) -> 
     text = result.stdout.str()
     assert "retained" not in text and "memsentry:" not in text
 
+
+LEAKING = """
+    import torch
+
+    HISTORY = []
+
+
+    def test_grows_first():
+        HISTORY.append(torch.ones(64 * 1024))   # 256 KiB a run
+
+
+    def test_grows_second():
+        HISTORY.append(torch.ones(64 * 1024))
+
+
+    def test_grows_third():
+        HISTORY.append(torch.ones(64 * 1024))
+
+
+    def test_clean():
+        assert torch.ones(8).sum() == 8
+"""
+
+
+@pytest.mark.parametrize(("args", "leaked"), [(["-x"], 1), (["--maxfail=2"], 2)])
+def test_maxfail_stops_after_leaking_tests(pytester: pytest.Pytester, args: list[str],
+                                           leaked: int) -> None:
+    pytester.makepyfile(test_leaking=LEAKING)
+    result = pytester.runpytest("--memsentry", "-v", *args)
+    result.assert_outcomes(failed=leaked)
+    assert list(statuses(result).values()) == ["LEAKED"] * leaked
+    result.stdout.fnmatch_lines([f"*stopping after {leaked} failures*"])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    # Without it every test runs, and the leaks are judged when all have run.
+    result = pytester.runpytest("--memsentry", "-v")
+    result.assert_outcomes(failed=3, passed=1)
