@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import runpy
 import sys
 import textwrap
-import traceback
 from typing import TYPE_CHECKING
 
 from memsentry.cli.args import add_table_options, fail
+from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end_by, signal_name
+from memsentry.cli.files import reason
+from memsentry.cli.script import Outcome, Script, print_error
 from memsentry.errors import MemsentryError
+from memsentry.record.ranks import HANDOFF
 from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
@@ -38,6 +41,10 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
                              "(e.g. 80GiB), from the batch sizes the run measured")
+    parser.add_argument("--gather-timeout", metavar="SECONDS", type=_seconds, default=60.0,
+                        help="under torchrun: the seconds rank 0 waits at the end for the "
+                             "other ranks' reports (default 60; 10 once the job is being "
+                             "stopped by a signal)")
     add_table_options(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run SCRIPT as a module name, like python -m")
@@ -45,34 +52,14 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
-def _exit_code(exc: SystemExit) -> int:
-    code = exc.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _run_script(args: argparse.Namespace, tracker: Tracker) -> int:
-    """Run the script as ``__main__``; its exit code (1 for an uncaught error, shown after
-    the tracker stopped: an out-of-memory error then carries memsentry's note)."""
+def _seconds(text: str) -> float:
     try:
-        if args.module:
-            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(args.script, run_name="__main__")
-    except SystemExit as exc:
-        return _exit_code(exc)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        return 130
-    except Exception:  # the script's own failure: show it, still report
-        tracker.stop()  # while handling it: stop() explains an out-of-memory error
-        traceback.print_exc()
-        return 1
-    return 0
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -130,32 +117,128 @@ def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem is not None:
         return fail("run", problem)
+    script = _load(args)
+    if isinstance(script, int):
+        return script
     try:
         tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore",
-                          snapshot=bool(args.snapshot))
+                          snapshot=bool(args.snapshot), gather_timeout=args.gather_timeout)
     except (MemsentryError, TypeError, ValueError) as exc:
         return fail("run", str(exc))
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [args.script, *args.args]
-    sys.path.insert(0, os.getcwd() if args.module
-                    else os.path.dirname(os.path.abspath(args.script)))
+    return _Run(args, tracker)(script)
+
+
+def _load(args: argparse.Namespace) -> Script | int:
+    """The script, compiled (or its module found, with ``-m``); else the exit status, after
+    saying why as python would (a syntax error as python shows it, status 1)."""
     try:
-        with tracker:
-            code = _run_script(args, tracker)
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    report = tracker.report()
-    if report.world_size is not None and report.world_size > 1:
-        code = _rank_output(args, tracker, report, code)
-    else:
-        code = _output(args, report, code)
-    return _save_snapshot(args, tracker, report.rank or 0, code) if args.snapshot else code
+        if args.module:
+            return Script.from_module(args.script, args.args)
+        return Script.from_path(args.script, args.args)
+    except ImportError as error:  # -m: what python -m says before it runs anything
+        return fail("run", str(error))
+    except OSError as error:
+        return fail("run", f"cannot read {args.script!r} ({reason(error)})")
+    except (SyntaxError, ValueError) as error:  # python's own message, status 1
+        print_error(error)
+        return 1
+    except Exception as error:  # -m: the module's parent package failed to import
+        print_error(error)
+        return 1
+
+
+class _Run:
+    """One run of ``memsentry run``: the script as ``__main__`` under tracking, the report,
+    and the end python would have given the process (see :mod:`memsentry.cli.endings`)."""
+
+    def __init__(self, args: argparse.Namespace, tracker: Tracker) -> None:
+        self.args, self.tracker = args, tracker
+        self.endings = Endings(self._stopped)
+        self.kept: str | None = None  # this rank's own --json file, saved before the handoff
+        self.unsaved = False  # ... or why it could not be
+
+    def __call__(self, script: Script) -> int:
+        outcome, code = Outcome(1), 1
+        HANDOFF.keep = self._keep if self.args.json else None
+        with script.installed():
+            try:
+                self.endings.start()
+                self.tracker.start()
+                outcome = script.run()
+                self.endings.finishing()
+                code = self._finish(outcome)
+            finally:
+                HANDOFF.keep = None
+                pending = self.endings.end()
+        if pending is not None:
+            end_by(pending)
+        if type(outcome.error) is KeyboardInterrupt:  # python dies of SIGINT for it
+            die_interrupted()
+        return code
+
+    def _stopped(self, ending: BaseException) -> None:
+        """A signal or ``os._exit`` ends the script where it is: the report now."""
+        if isinstance(ending, Stopped):
+            sys.stdout.flush()
+            print(f"memsentry: the script was stopped by {signal_name(ending.signum)}; its "
+                  "report up to here follows", file=sys.stderr, flush=True)
+        self._finish(Outcome(ending.status if isinstance(ending, Exited) else 1, ending))
+
+    def _finish(self, outcome: Outcome) -> int:
+        """Stop tracking, show how the script ended as python would, then the report."""
+        error = outcome.error
+        if error is None or isinstance(error, SystemExit):
+            self.tracker.stop(None)
+        else:  # stop() while knowing the error explains an out-of-memory error
+            self.tracker.stop(error)
+            if not isinstance(error, Stopped | Exited):
+                print_error(error)
+        return self._output(outcome.status)
+
+    def _keep(self, rank: int, payload: str) -> None:
+        """Save this rank's own report (``FILE.rankN.json``) before rank 0 waits for the
+        others: a job stopped while it waits still leaves every rank's file."""
+        path = rank_file(self.args.json, rank)
+        try:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(json.loads(payload), indent=2) + "\n")
+        except OSError as error:
+            self.unsaved = True
+            fail("run", f"--json: could not write {path!r} ({error.strerror})")
+        else:
+            self.kept = path
+
+    def _output(self, code: int) -> int:
+        report = self.tracker.report()
+        if report.world_size is not None and report.world_size > 1:
+            code = self._rank_output(report, code)
+        else:
+            code = _output(self.args, report, code)
+        if self.args.snapshot:
+            code = _save_snapshot(self.args, self.tracker, report.rank or 0, code)
+        return code
+
+    def _rank_output(self, report: Report, code: int) -> int:
+        """Under torchrun: rank 0 prints (and saves) the combined report; every rank saves
+        its own with ``--json`` (``FILE.rankN.json``); the other ranks print one line."""
+        rank = report.rank or 0
+        if self.args.json and self.kept is None and not self.unsaved:
+            self._keep(rank, self.tracker.own_report().to_json(indent=0))
+        if self.unsaved:
+            code = code or 2
+        if rank == 0:
+            return _output(self.args, report, code)
+        sys.stdout.flush()
+        saved = f"; its own is in {self.kept}" if self.kept else ""
+        print(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, "
+              f"which prints the combined report{saved}")
+        return code
 
 
 def _save_snapshot(args: argparse.Namespace, tracker: Tracker, rank: int, code: int) -> int:
     """``--snapshot FILE``: write the memory_viz snapshot (each rank but 0 to its own
     ``FILE.rankN``) and say where; 2 (after saying why) when it cannot."""
-    from memsentry.cli.files import reason, snapshot_saved
+    from memsentry.cli.files import snapshot_saved
 
     path = args.snapshot if rank == 0 else rank_file(args.snapshot, rank)
     try:
@@ -170,27 +253,6 @@ def rank_file(path: str, rank: int) -> str:
     """``r.rank1.json`` for rank 1 of ``--json r.json``."""
     stem, dot, suffix = path.rpartition(".")
     return f"{stem}.rank{rank}.{suffix}" if dot and "/" not in suffix else f"{path}.rank{rank}"
-
-
-def _rank_output(args: argparse.Namespace, tracker: Tracker, report: Report, code: int) -> int:
-    """Under torchrun: rank 0 prints (and saves) the combined report; every rank saves its
-    own with ``--json`` (``FILE.rankN.json``); the other ranks print one line."""
-    rank = report.rank or 0
-    if args.json:
-        own = tracker.own_report()
-        try:
-            own.to_json(rank_file(args.json, rank))
-        except OSError as error:
-            fail("run", f"--json: could not write {rank_file(args.json, rank)!r} "
-                        f"({error.strerror})")
-            code = code or 2
-    if rank == 0:
-        return _output(args, report, code)
-    sys.stdout.flush()
-    saved = f"; its own is in {rank_file(args.json, rank)}" if args.json else ""
-    print(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, which "
-          f"prints the combined report{saved}")
-    return code
 
 
 def _output(args: argparse.Namespace, report: Report, code: int) -> int:
@@ -223,7 +285,7 @@ def _output(args: argparse.Namespace, report: Report, code: int) -> int:
 
 def write_html(report: Report, path: str, command: str) -> int:
     """Save the HTML report to ``path`` and say where; 2 (after saying why) when it cannot."""
-    from memsentry.cli.files import html_saved, reason
+    from memsentry.cli.files import html_saved
     from memsentry.reporters.plotly import ChartsUnavailable
 
     try:
