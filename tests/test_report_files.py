@@ -416,6 +416,18 @@ def test_the_limit_is_set_by_the_environment(
         Report.from_json(reports["good"])
 
 
+def test_json_that_would_swell_in_memory_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three bytes of "{}," become a 64-byte dict: 256 MiB of them took 6.5 GB.
+    monkeypatch.setenv(MAX_BYTES_VARIABLE, "64KiB")
+    head = '{"device": "cpu", "backend": "x", "baseline": 0, "x": '
+    path = _edited(tmp_path, head + "[" + "{}," * 20_000 + "{}]}")
+    _refused(path, "holds 20,003 lists and objects, more than the 2,048 memsentry reads in a "
+                   "file of at most 64 KiB", f"{MAX_BYTES_VARIABLE}=1GiB")
+    path = _edited(tmp_path, head + "[" + "0," * 20_000 + "0]}")
+    _refused(path, "holds 20,003 values, more than the 8,192")
+
+
 def test_not_utf8_and_too_many_digits_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "latin.json"
     path.write_bytes(b'{"device": "caf\xe9"}')

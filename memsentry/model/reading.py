@@ -2,10 +2,12 @@
 
 Before a byte is read the file must be a regular file (a directory, a device such as
 ``/dev/zero``, a FIFO or a socket is refused: reading one could block or never end) no larger
-than :func:`max_bytes`; the JSON must be UTF-8, nested no deeper than the JSON reader
-allows, with no number of more digits than Python converts. Each refusal is a
-:class:`~memsentry.errors.ReportError` that names the file; a file that is missing or that
-the system will not open raises ``OSError`` as ``open()`` does.
+than :func:`max_bytes`. The JSON must be UTF-8, hold no more lists, objects and values than a
+report of that size holds (so that what it becomes in memory stays within about ten times
+the limit), nest no deeper than the JSON reader allows and hold no number of more digits
+than Python converts. Each refusal is a :class:`~memsentry.errors.ReportError` that names
+the file; a file that is missing or that the system will not open raises ``OSError`` as
+``open()`` does.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def _too_large(size: str, limit: int, name: str) -> ReportError:
         f"{MAX_BYTES_VARIABLE}=1GiB (or more)", path=name)
 
 
+def _refuse_crowded(text: str, limit: int, name: str) -> None:
+    """Refuse JSON that would take many times its size in memory: more lists and objects
+    than one per 32 bytes of the limit, or more values (counted by their commas) than one
+    per 8 bytes of it (``[{},{},...]`` of 256 MiB would take 6 GiB). A report has a list
+    or object per 40 bytes at the most (the steps of its holders' paths), a comma per 14
+    (its breakdowns' figures), so one that fits the size limit fits these."""
+    counts = ((text.count("{") + text.count("["), limit // 32, "lists and objects"),
+              (text.count(","), limit // 8, "values"))
+    for count, most, what in counts:
+        if count > most:
+            raise ReportError(
+                f"holds {count:,} {what}, more than the {most:,} memsentry reads in a file of "
+                f"at most {format_bytes(limit)}: if it is a report, raise the limit with "
+                f"{MAX_BYTES_VARIABLE}=1GiB (or more)", path=name)
+
+
 def read_bytes(path: str | os.PathLike[str]) -> bytes:
     """The bytes of the report file at ``path``, checked to be a regular file no larger
     than :func:`max_bytes` before they are read."""
@@ -102,6 +120,7 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise ReportError(f"not UTF-8 text (byte {data[error.start]:#04x} at offset "
                           f"{error.start:,}): {WRITTEN_BY}", path=name) from None
     del data
+    _refuse_crowded(text, max_bytes(), name)
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
