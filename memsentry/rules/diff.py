@@ -7,7 +7,7 @@ its warm-up), and findings are matched by rule and by what they are about, not b
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 from memsentry.model import (
@@ -70,7 +70,7 @@ def match_findings(
 ) -> tuple[tuple[Finding, ...], tuple[Finding, ...], tuple[FindingPair, ...]]:
     """(appeared, disappeared, persisted): the new run's findings the old run lacks, the old
     run's the new one lacks, and the pairs both made, in the order of each report."""
-    waiting: dict[Hashable, list[int]] = defaultdict(list)
+    waiting: dict[Hashable, deque[int]] = defaultdict(deque)  # popped from the left: linear
     for index, finding in enumerate(new):
         waiting[finding_key(finding)].append(index)
     disappeared, persisted = [], []
@@ -78,7 +78,7 @@ def match_findings(
     for finding in old:
         twins = waiting.get(finding_key(finding))
         if twins:
-            index = twins.pop(0)
+            index = twins.popleft()
             matched.add(index)
             persisted.append(FindingPair(finding, new[index]))
         else:

@@ -11,7 +11,10 @@ The values themselves are not changed: the JSON report keeps them as they were.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import re
+import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,6 +48,34 @@ def printable_values(value: T) -> T:
     return result
 
 
+@functools.cache
+def _text_fields(cls: type) -> tuple[str, ...]:
+    """The fields of the dataclass ``cls`` whose declared type may hold a string: a report
+    of 10,000 iterations is walked through one field of each (its breakdown's layer)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # a hint that does not resolve: every field may
+        hints = {}
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if f.init and _may_hold_text(hints.get(f.name, Any), set()))
+
+
+def _may_hold_text(kind: Any, seen: set[Any]) -> bool:
+    if kind in (int, float, bool, type(None)) or (
+            isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        return False
+    args = typing.get_args(kind)
+    if args:
+        return any(_may_hold_text(arg, seen) for arg in args if arg is not Ellipsis)
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        if kind in seen:  # a value nested in its own kind (a report's ranks)
+            return False
+        seen.add(kind)
+        return any(_may_hold_text(hint, seen)
+                   for hint in typing.get_type_hints(kind).values())
+    return True  # str, Any, and anything not known to hold none
+
+
 def _printable(value: Any) -> Any:
     kind = type(value)
     if kind is str:
@@ -62,12 +93,11 @@ def _printable(value: Any) -> Any:
         return dict(pairs) if changed else value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {}
-        for field in dataclasses.fields(value):
-            if field.init:
-                old = getattr(value, field.name)
-                new = _printable(old)
-                if new is not old:
-                    changes[field.name] = new
+        for name in _text_fields(type(value)):
+            old = getattr(value, name)
+            new = _printable(old)
+            if new is not old:
+                changes[name] = new
         return dataclasses.replace(value, **changes) if changes else value
     return value  # enums (their values are memsentry's), and anything else as it is
 
