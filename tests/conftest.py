@@ -52,10 +52,10 @@ def _hook_counts() -> dict[str, int]:
     """The size of each global registry, less memsentry's one optimizer step hook of the
     process: it stays registered, calling nobody, when a tracker stops while other threads
     run (removing it could break a step they are taking), and goes at a later stop."""
-    from memsentry.record.threads import step_hook_id
+    from memsentry.record.threads import step_hook_ids
 
-    idle = step_hook_id()
-    return {name: len([key for key in hooks if not (key == idle and "optimizer" in name)])
+    idle = step_hook_ids()
+    return {name: len([key for key in hooks if not (key in idle and "optimizer" in name)])
             for name, hooks in GLOBAL_HOOK_DICTS.items()}
 
 

@@ -45,7 +45,7 @@ from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import CensusSchedule, census_due
 from memsentry.record.signals import Action, Signals
-from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_hook_id
+from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_hook_ids
 from memsentry.record.timeline import IterationClock, Timeline
 
 Counters = tuple[dict[str, Any] | None, dict[str, Any] | None]
@@ -125,9 +125,8 @@ class Recorder:
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
             saved=options.saved_tensors, coverage=self._coverage, parts=self._parts,
-            start_backend=self._start_lazily,
-            iteration_start=self._outermost_call, owner=self._owner,
-        )
+            start_backend=self._start_lazily, iteration_start=self._outermost_call,
+            owner=self._owner)
         self._handles: list[Any] = []
         self._overall_peak = 0
         self._final: tuple[int, int | None, Counters] | None = None
@@ -178,7 +177,7 @@ class Recorder:
             self._teardown()
 
     def _set_active(self, active: bool) -> None:
-        for part in (self, self._forward, self._censuses, self._backward):
+        for part in (self, self._forward, self._forward.saved, self._censuses, self._backward):
             if part is not None:
                 part.active = active
 
@@ -191,7 +190,7 @@ class Recorder:
         self._forward.unhook_modules()
         self._censuses.unwatch_collections()
         self._roots.settle(everything=True)
-        self._forward.pop_saved_hooks()
+        self._forward.saved.pop()
         backend = self._sampler.backend
         if backend is not None:
             if self.active:
@@ -308,10 +307,7 @@ class Recorder:
         """What a census needs from the recorder: the model, memsentry's hooks, itself."""
         model = self._model_ref() if self._model_ref is not None else None
         handles = [*self._handles, *self._forward.module_handles()]
-        own = {handle.id for handle in handles if hasattr(handle, "id")}
-        step_hook = step_hook_id()
-        if step_hook is not None:
-            own.add(step_hook)
+        own = {handle.id for handle in handles if hasattr(handle, "id")} | step_hook_ids()
         named = [(name, obj, role) for name, ref, role in self._named
                  if (obj := ref()) is not None]
         return {"model": model, "own_hooks": own, "skip": {id(self)}, "named": named}

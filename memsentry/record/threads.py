@@ -81,10 +81,10 @@ def forget_steps(listener: StepListener) -> None:
             _handle = None
 
 
-def step_hook_id() -> int | None:
-    """The id of memsentry's optimizer step hook in PyTorch's registry (``None``: none)."""
+def step_hook_ids() -> set[int]:
+    """The id of memsentry's optimizer step hook in PyTorch's registry (none: empty)."""
     handle = _handle
-    return handle.id if handle is not None else None
+    return {handle.id} if handle is not None else set()
 
 
 # -- the garbage collector, paused by censuses ----------------------------------------------
@@ -112,4 +112,4 @@ def collector_paused() -> Iterator[None]:
 
 
 __all__ = ["Owner", "collector_paused", "forget_steps", "listen_to_steps",
-           "step_hook_id"]
+           "step_hook_ids"]
