@@ -186,3 +186,23 @@ def test_run_prints_escapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert f"{CLEAR_SHOWN} Linear" in out
     saved = Report.from_json(tmp_path / "r.json")
     assert CLEAR in [layer.name for layer in saved.layers]
+
+
+def test_an_undecodable_file_name_is_written_as_an_escape_in_every_output(
+    runs: tuple[Report, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A file name with a byte that is not UTF-8 reaches Python as a lone surrogate
+    # (surrogateescape); JSON keeps it as "\udcff", and no output may fail to encode it.
+    pytest.importorskip("plotly")
+    _, odd, plain = runs
+    data = json.loads(odd.read_text(encoding="utf-8"))
+    data["layers"][1]["name"] = "caf\udcff.py"
+    damaged = tmp_path / "surrogate.json"
+    damaged.write_text(json.dumps(data), encoding="utf-8")
+    assert main(["show", str(damaged), "-o", str(tmp_path / "r.txt")]) == 0
+    assert "caf\\udcff.py" in (tmp_path / "r.txt").read_text(encoding="utf-8")
+    assert main(["show", str(damaged), "--html", str(tmp_path / "r.html")]) == 0
+    assert main(["diff", str(plain), str(damaged), "--html", str(tmp_path / "d.html")]) == 0
+    for page in ("r.html", "d.html"):
+        assert "caf\\udcff.py" in (tmp_path / page).read_text(encoding="utf-8")
+    capsys.readouterr()

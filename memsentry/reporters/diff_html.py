@@ -21,6 +21,7 @@ from memsentry.reporters.diff import _layer_delta, headline_rows, render_check, 
 from memsentry.reporters.html import asset, finding_card, rich_text, script_json
 from memsentry.reporters.plotly import plotly_js
 from memsentry.units import format_bytes
+from memsentry.usercode.text import encodable
 
 _DOM = "memsentry-diff"
 _COLOURS = {"old": "#8a94a0", "new": "#1f5fa8", "appeared": "#c0262d", "disappeared": "#3d8b40"}
@@ -285,7 +286,7 @@ def render_diff_html(diff: ReportDiff, *, check: LimitCheck | None = None, top: 
             categories, _layers(diff, top)]
     data = {"figures": {k: v for k, v in figures.items() if v is not None}}
     title = f"memsentry diff: {diff.old.label} → {diff.new.label}"
-    return (
+    return encodable(
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>{html.escape(title)}</title></head><body>"

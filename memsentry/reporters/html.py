@@ -23,6 +23,7 @@ from memsentry.reporters.plotly import plotly_js
 from memsentry.reporters.ranks import rank_line, render_ranks
 from memsentry.reporters.text import render_header, render_iterations
 from memsentry.units import format_bytes
+from memsentry.usercode.text import encodable
 
 _CODE = re.compile(r"`([^`]+)`")
 _LAYER_COLUMNS = (
@@ -225,8 +226,8 @@ def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool
     scripts.append(f'<script type="application/json" id="{dom}-data">'
                    f"{script_json(data)}</script>")
     scripts.append(f"<script>{asset('report.js')}\nmemsentryRender({json.dumps(dom)});</script>")
-    return (f'<div class="memsentry" id="{dom}"><style>{asset("report.css")}</style>'
-            f'{"".join(body)}</div>{"".join(scripts)}')
+    return encodable(f'<div class="memsentry" id="{dom}"><style>{asset("report.css")}</style>'
+                     f'{"".join(body)}</div>{"".join(scripts)}')
 
 
 def render_html(report: ReportData, *, at_most: int = AT_MOST) -> str:
@@ -235,7 +236,7 @@ def render_html(report: ReportData, *, at_most: int = AT_MOST) -> str:
     title = f"memsentry report: {report.device}" + (f", {where}" if where else "")
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>{html.escape(title)}</title></head><body>"
+            f"<title>{html.escape(encodable(title))}</title></head><body>"
             f"{render_fragment(report, at_most=at_most)}</body></html>")
 
 

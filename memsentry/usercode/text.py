@@ -40,6 +40,16 @@ def printable(text: str) -> str:
     return UNSAFE.sub(_escape, text) if UNSAFE.search(text) else text
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """``text`` with its lone surrogates (an undecodable byte of a file name, kept by
+    ``surrogateescape``) written as escapes (``\\udcff``), so that it encodes as UTF-8: for
+    outputs, such as HTML, that keep every other character as it is."""
+    return _SURROGATE.sub(_escape, text) if _SURROGATE.search(text) else text
+
+
 def printable_values(value: T) -> T:
     """``value`` with every string inside it made :func:`printable`: the fields of
     dataclasses (rebuilt with :func:`dataclasses.replace`), the items of tuples and lists,
@@ -102,4 +112,4 @@ def _printable(value: Any) -> Any:
     return value  # enums (their values are memsentry's), and anything else as it is
 
 
-__all__ = ["UNSAFE", "printable", "printable_values"]
+__all__ = ["UNSAFE", "encodable", "printable", "printable_values"]
