@@ -174,11 +174,20 @@ class Endings:
         self.phase = Phase.RUNNING
 
     def finishing(self) -> None:
-        """The report is being made: signals wait for it (the first Ctrl-C too)."""
+        """The report is being made: signals wait for it (the first Ctrl-C too), and the
+        script's own handlers are paused (torch's DataLoader raises from its SIGCHLD
+        handler when a worker dies, as one does when a whole process group is stopped)."""
         self.phase = Phase.FINISHING
-        if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._install(signal.SIGINT, self._on_interrupt)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in signal.valid_signals():
+            try:
+                current = signal.getsignal(signum)
+            except (ValueError, OSError):
+                continue
+            if callable(current) and not self._is_ours(current):
+                self._install(signum, self._on_interrupt if signum == signal.SIGINT
+                              else self._on_other)
 
     def end(self) -> int | None:
         """The report is written: put back what was there before (where the script did not
@@ -198,8 +207,10 @@ class Endings:
         signal.signal(signum, handler)
 
     def _ours(self, signum: int) -> bool:
-        current = signal.getsignal(signum)
-        return current == self._on_stop or current == self._on_interrupt
+        return self._is_ours(signal.getsignal(signum))
+
+    def _is_ours(self, handler: object) -> bool:
+        return handler in (self._on_stop, self._on_interrupt, self._on_other)
 
     # -- the handlers ----------------------------------------------------------------------
     def _on_stop(self, signum: int, frame: types.FrameType | None) -> None:
@@ -215,9 +226,9 @@ class Endings:
         if self._too_soon(frame):
             self._again(signum)
             return
-        self.phase = Phase.FINISHING
         hurry(HURRY)
         try:
+            self.finishing()
             self._report(Stopped(signum))
         finally:
             die_of(signum)
@@ -233,6 +244,12 @@ class Endings:
         self._keep(signum)
         print("memsentry: writing the report; press Ctrl-C again to quit without it",
               file=sys.stderr, flush=True)
+
+    def _on_other(self, signum: int, frame: types.FrameType | None) -> None:
+        """A signal the script handles itself, while the report is being made: left alone
+        (the script has ended); one that stops the job still shortens rank 0's wait."""
+        if signum in STOPPING:
+            hurry(HURRY)
 
     def _keep(self, signum: int) -> None:
         if self.pending is None:
@@ -264,8 +281,8 @@ class Endings:
         """``os._exit`` while the script runs: the report, then the exit."""
         if (os.getpid() == self.pid and self.phase is Phase.RUNNING
                 and threading.current_thread() is threading.main_thread()):
-            self.phase = Phase.FINISHING
             try:
+                self.finishing()
                 self._report(Exited(status))
             finally:
                 for stream in (sys.stdout, sys.stderr):

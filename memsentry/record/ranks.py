@@ -10,10 +10,10 @@ and a rank that tracks nothing (tracking on rank 0 only) costs it a grace of 2 s
 number their tracked blocks in the same order, so the n-th block of each rank meets the n-th
 of the others.
 
-Rank 0 waits in slices of a quarter of a second, so that a signal handler runs while it waits
-(python runs them between slices only); a handler that learns the job is being stopped calls
-:func:`hurry`, which brings the deadline closer: rank 0 then combines the reports that came
-and names the ranks whose did not.
+Rank 0 looks for the reports every 50 ms and sleeps in between, so that a signal handler
+runs while it waits (python runs none during a blocking wait on the store); a handler that
+learns the job is being stopped calls :func:`hurry`, which brings the deadline closer: rank 0
+then combines the reports that came and names the ranks whose did not.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def _key(block: int, rank: int, what: str) -> str:
 HANDOFF = _Handoff()
 #: Seconds rank 0 gives a rank that has not said it tracks the block to say so.
 GRACE = 2.0
-#: Seconds of one wait on the store: python runs signal handlers between them.
-SLICE = 0.25
+#: Seconds between two looks in the store for a rank's report: python runs signal
+#: handlers meanwhile.
+POLL = 0.05
 
 
 def begin_block() -> None:
@@ -155,21 +156,32 @@ def _until(deadline: float) -> float:
 
 def _arrived(store: Any, key: str, deadline: float) -> bool:
     """Whether ``key`` is in the store by the monotonic time ``deadline`` (or a hurried
-    one), waiting for it in slices of :data:`SLICE` seconds."""
+    one), looked for every :data:`POLL` seconds."""
     while True:
-        started = time.monotonic()
-        left = _until(deadline) - started
-        ask = max(min(left, SLICE), 0.001)
-        try:
-            store.wait([key], datetime.timedelta(seconds=ask))
+        pause = max(min(_until(deadline) - time.monotonic(), POLL), 0.0)
+        if _present(store, key, pause):
             return True
-        except (RuntimeError, TimeoutError, ValueError):  # not written yet
-            pass
         if _until(deadline) - time.monotonic() <= 0:
             return False
-        early = ask - (time.monotonic() - started)
-        if early > 0.01:  # a store that fails at once: no faster than one try a slice
-            time.sleep(early)
+
+
+def _present(store: Any, key: str, pause: float) -> bool:
+    """Whether ``key`` is in the store, taking ``pause`` seconds when it is not: a check,
+    then a sleep (which a signal interrupts; a store's timed-out wait would also log a
+    warning each time), or, for a store without ``check``, a wait that long."""
+    try:
+        found = bool(store.check([key]))
+    except (AttributeError, RuntimeError, ValueError):
+        started = time.monotonic()
+        try:
+            store.wait([key], datetime.timedelta(seconds=max(pause, 0.001)))
+            return True
+        except (RuntimeError, TimeoutError, ValueError):  # not written in time, or broken
+            time.sleep(max(pause - (time.monotonic() - started), 0.0))
+            return False
+    if not found:
+        time.sleep(pause)
+    return found
 
 
 def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | None:
@@ -210,5 +222,5 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
     return found
 
 
-__all__ = ["GRACE", "HANDOFF", "SLICE", "RankInfo", "begin_block", "gather_limit", "hurry",
+__all__ = ["GRACE", "HANDOFF", "POLL", "RankInfo", "begin_block", "gather_limit", "hurry",
            "rank_info", "remember_store", "share"]
