@@ -88,7 +88,8 @@ def diff(old: ReportLike, new: ReportLike) -> Diff:
     """What changed from ``old`` to ``new``, two runs of the same program: each a
     :class:`~memsentry.Report` (or ``ReportData``) or the path of a report saved with
     ``to_json()`` / ``memsentry run --json``. A missing file raises ``OSError``, a file that
-    is not a report ``ValueError`` naming it. ``str()`` of the result is the text."""
+    is not a report :class:`~memsentry.errors.ReportError` (a ``ValueError``) naming it and
+    what is wrong. ``str()`` of the result is the text."""
     old_report, old_label = _load(old, "old")
     new_report, new_label = _load(new, "new")
     data = compare(old_report, new_report, old_label=old_label, new_label=new_label)
