@@ -271,6 +271,8 @@ def test_damaged_reports_are_read_or_refused_in_one_line(
     assert (code == 0) == (report is not None)
     if report is not None:
         assert out == str(report) + "\n"
+        code, out, err = _command(["show", "--format", "json", str(path)])
+        assert (code, err) == (0, "") and Report.from_dict(json.loads(out)) == report
     for argv in (["diff", reports["good"], str(path)], ["diff", str(path), reports["good"]]):
         code, out, err = _command(argv)
         _one_line_or_works(code, out, err, "diff")
