@@ -443,6 +443,8 @@ def test_the_error_is_a_value_error_and_a_memsentry_error(tmp_path: Path) -> Non
     assert issubclass(ReportError, memsentry.MemsentryError)
     with pytest.raises(FileNotFoundError):  # the system's own error, as open() raises it
         Report.from_json(tmp_path / "absent.json")
+    with pytest.raises(ReportError, match="not a file name: it holds a NUL character"):
+        Report.from_json("report\0.json")
 
 
 def test_a_real_report_reads_back_whole(reports: dict[str, Any], tmp_path: Path) -> None:

@@ -97,6 +97,8 @@ def read_bytes(path: str | os.PathLike[str]) -> bytes:
     than :func:`max_bytes` before they are read."""
     name = os.fspath(path)
     limit = max_bytes()
+    if "\0" in name:
+        raise ReportError("not a file name: it holds a NUL character", path=repr(name))
     _refuse_kind(os.stat(name).st_mode, name)  # a FIFO is refused before open() can block
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     with os.fdopen(os.open(name, flags), "rb") as handle:
