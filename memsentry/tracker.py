@@ -32,6 +32,7 @@ from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
 from memsentry.rules.oom import explain_oom
 from memsentry.rules.ranks import combine
+from memsentry.usercode.text import printable
 
 
 class _State(enum.Enum):
@@ -47,8 +48,9 @@ def leak_text(report: ReportData) -> tuple[str, tuple[Finding, ...]] | None:
     if not leaks:
         return None
     lines = [f"memsentry found {len(leaks)} leak(s):"]
-    lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: {f.message}. "
-              f"Fix: {f.fix}" for f in leaks]
+    # Written to a terminal: control characters of the program's names as visible escapes.
+    lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: "
+              f"{printable(f.message)}. Fix: {printable(f.fix)}" for f in leaks]
     return "\n".join(lines), leaks
 
 

@@ -206,3 +206,23 @@ def test_an_undecodable_file_name_is_written_as_an_escape_in_every_output(
     for page in ("r.html", "d.html"):
         assert "caf\\udcff.py" in (tmp_path / page).read_text(encoding="utf-8")
     capsys.readouterr()
+
+
+def test_the_leak_warning_escapes_the_holders_name() -> None:
+    """The LeakWarning is printed to a terminal by Python's warning machinery."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    logger = Logger()
+    setattr(logger, HOLDER, [])
+    with pytest.warns(memsentry.LeakWarning) as caught:
+        with memsentry.track(model):
+            for _ in range(8):
+                out = model(torch.randn(4, 8))
+                out.sum().backward()
+                opt.step()
+                opt.zero_grad()
+                getattr(logger, HOLDER).append(out)
+    text = str(caught[0].message)
+    _clean(text)
+    assert f"`logger.{HOLDER_SHOWN}`" in text
