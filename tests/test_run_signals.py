@@ -309,3 +309,46 @@ def test_a_killed_rank_costs_rank_0_the_gather_timeout_at_most(tmp_path: Path) -
     assert [r.rank for r in combined.ranks] == [0]
     (note,) = _missing_rank_1(combined)
     assert "within 4 s" in note
+
+
+TORCHRUN = """\
+import os, signal, time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Linear(16, 16))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(10_000):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.01)
+    if dist.get_rank() == 1 and step == 30:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_under_torchrun_a_killed_rank_leaves_rank_0s_reports(tmp_path: Path) -> None:
+    """The real thing: torchrun sees rank 1 die and sends SIGTERM to rank 0, whose script
+    failed in DDP's all-reduce and which waits for rank 1's report: rank 0 dies of SIGTERM
+    within torchrun's 30 s, its own file and the combined report written."""
+    pytest.importorskip("torch.distributed.run")
+    script = tmp_path / "dies.py"
+    script.write_text(TORCHRUN, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "memsentry", "run", "--json", "r.json", str(script)],
+        cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT,
+        check=False)
+    assert done.returncode != 0
+    assert "exitcode  : -15" in done.stderr and "exitcode  : -9" in done.stderr, \
+        done.stderr[-3000:]
+    own = Report.from_json(tmp_path / "r.rank0.json")
+    assert (own.rank, own.world_size) == (0, 2)
+    combined = Report.from_json(tmp_path / "r.json")
+    assert [r.rank for r in combined.ranks] == [0]
+    assert _missing_rank_1(combined)
+    assert "Ranks (1 of 2 reported" in done.stdout

@@ -155,15 +155,15 @@ class _Run:
         self.args, self.tracker = args, tracker
         self.endings = Endings(self._stopped)
         self.kept: str | None = None  # this rank's own --json file, saved before the handoff
-        self.unsaved = False  # ... or why it could not be
+        self.unsaved = False  # whether saving it failed (status 2 for a script that ended well)
 
     def __call__(self, script: Script) -> int:
         outcome, code = Outcome(1), 1
         HANDOFF.keep = self._keep if self.args.json else None
         with script.installed():
             try:
-                self.endings.start()
                 self.tracker.start()
+                self.endings.start()
                 outcome = script.run()
                 self.endings.finishing()
                 code = self._finish(outcome)
