@@ -1,10 +1,10 @@
 """The default first look at a test: how much glibc's heap in use grew from before its setup to
 after its teardown. Two ``mallinfo2()`` reads a test, nothing on the test's own ops.
 
-Both reads come after ``gc.collect()`` (:class:`pytest_memsentry.garbage.Collector`), so that
-cyclic garbage freed inside the window, the previous test's or the test's own, is counted in
-neither: collecting only at the end would subtract the previous test's garbage from this
-test's growth.
+Both reads come after a garbage collection, and nothing made before the test is freed by
+one in between (:class:`pytest_memsentry.garbage.Collector`): collecting only at the end
+would subtract cyclic garbage left before the test from its growth, and hide a leak of the
+same size.
 
 The heap counts every C allocation of the process: CPU tensor storages, and also pytest's
 reports, captured output and the caches libraries fill on first use. So growth is only a
@@ -54,11 +54,11 @@ class HeapCheck:
         self._stack: list[int] = []
 
     def start(self) -> None:
-        self._collector.collect()  # read as finish() reads the end
+        self._collector.open()  # until finish(), collections free only what the test made
         self._start = self._heap.allocated()
 
     def abort(self) -> None:
-        return None
+        self._collector.release()
 
     def fixture_starting(self) -> None:
         self._stack.append(self._heap.allocated())
@@ -78,9 +78,9 @@ class HeapCheck:
         """The heap's growth as the CPU's figure when it passes the trigger (after
         ``gc.collect()``, as at :meth:`start`), else nothing."""
         trigger = max(limits.max_leak, TRIGGER)
-        if judged:
-            self._collector.collect()
+        self._collector.close()
         grown = self.grown()
+        self._collector.tidy()  # garbage older than the test, outside its window
         if grown <= trigger:
             return Measurement((DeviceFigures("cpu", 0, 0, 0),), heap=True)
         note = (f"the process's heap grew by {format_bytes(grown)} over the test (glibc "

@@ -4,11 +4,14 @@ leaks are left to ``--memsentry-check=storages``."""
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 
 from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE
+from pytest_memsentry.garbage import Collector
 from pytest_memsentry.measure import warm_up
 
 pytest_plugins = ["pytester"]
@@ -139,6 +142,40 @@ def test_a_leak_held_in_cycles_is_found_by_default(pytester: pytest.Pytester) ->
         "*128 KiB *float32[[]32768] *cpu *fixture 'registry'[[]*].data (session scope fixture)*",
     ])
     assert "retained" not in result.stdout.str()
+
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_window_frees_only_the_garbage_the_test_made() -> None:
+    old = Node()
+    old_ref = weakref.ref(old)
+    gc.collect()  # `old` survives into the oldest generation...
+    del old       # ...and becomes garbage there, as a torn-down module fixture's value does
+    clock = iter([0.0, 10.0, 10.5, 10.6, 12.6])  # read by each tidy() (and for its cost)
+    collector = Collector(clock=lambda: next(clock))  # reads 0.0
+    collector.open()
+    new = Node()
+    new_ref = weakref.ref(new)
+    del new
+    gc.collect()  # inside the window (the test's own call, or one Python starts)
+    assert new_ref() is None and old_ref() is not None
+    collector.close()
+    assert old_ref() is not None and gc.get_freeze_count() == 0
+    collector.tidy()  # the first, at 10.0: a full collection, which cost 0.5 s
+    assert old_ref() is None
+    again = Node()
+    again_ref = weakref.ref(again)
+    gc.collect()
+    del again
+    collector.tidy()  # at 10.6: 0.1 s after one that cost 0.5 s, so none
+    assert again_ref() is not None
+    collector.tidy()  # at 12.6 (20 x 0.5 s = 10 s not yet passed): still none
+    assert again_ref() is not None
+    gc.collect()
 
 
 ONE_TIME = """
