@@ -164,16 +164,18 @@ def test_workers_forked_by_the_script_die_without_reports(tmp_path: Path) -> Non
         step = 0
         """)).replace("model(torch.randn(32, 64))", "model(next(batches)[0])"),
         encoding="utf-8")
-    out_json = tmp_path / "r.json"
-    proc = _start(_memsentry("--json", str(out_json), str(script)), tmp_path,
-                  start_new_session=True)
-    _wait_ready(proc)
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == -signal.SIGTERM, err[-3000:]
-    assert out.count(BANNER) == 1
-    assert Report.from_json(out_json).layer("Sequential").calls >= 1
+    rng = random.Random(f"workers{os.getpid()}")
+    for run in range(RUNS):  # the workers' deaths race with the script's own
+        out_json = tmp_path / f"r{run}.json"
+        proc = _start(_memsentry("--json", str(out_json), str(script)), tmp_path,
+                      start_new_session=True)
+        _wait_ready(proc)
+        time.sleep(rng.uniform(0.0, 1.0))
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == -signal.SIGTERM, f"run {run}: {err[-3000:]}"
+        assert out.count(BANNER) == 1
+        assert Report.from_json(out_json).layer("Sequential").calls >= 1
 
 
 # -- ranks, as torchrun starts them -------------------------------------------------------------
@@ -352,3 +354,23 @@ def test_under_torchrun_a_killed_rank_leaves_rank_0s_reports(tmp_path: Path) -> 
     assert [r.rank for r in combined.ranks] == [0]
     assert _missing_rank_1(combined)
     assert "Ranks (1 of 2 reported" in done.stdout
+
+
+def test_a_signal_while_standard_output_is_full_still_saves_the_report(tmp_path: Path) -> None:
+    """The script blocks writing to a pipe nobody reads when SIGTERM comes: the report is
+    not printed into the middle of that write, the JSON file is saved, and the process dies
+    of SIGTERM once the pipe is read."""
+    script = tmp_path / "noisy.py"
+    script.write_text(LOOP.replace('print("step", step, float(loss))',
+                                   'print("x" * 1000)').replace("step % 25 == 0", "True"),
+                      encoding="utf-8")
+    out_json = tmp_path / "r.json"
+    proc = _start(_memsentry("--json", str(out_json), str(script)), tmp_path)
+    _wait_ready(proc)
+    time.sleep(1.0)  # the pipe (64 KiB) is full long before
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(4.0)  # longer than memsentry waits for the write to end
+    _out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert Report.from_json(out_json).layer("Sequential").calls >= 1
+    assert "stopped by SIGTERM" in err

@@ -178,6 +178,10 @@ class Endings:
         script's own handlers are paused (torch's DataLoader raises from its SIGCHLD
         handler when a worker dies, as one does when a whole process group is stopped)."""
         self.phase = Phase.FINISHING
+        self._pause()
+
+    def _pause(self) -> None:
+        """Pause the script's own signal handlers: the process is to end now."""
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in signal.valid_signals():
@@ -223,7 +227,9 @@ class Endings:
             return
         if self.phase is not Phase.RUNNING:
             die_of(signum)
-        if self._too_soon(frame):
+        if self._too_soon(frame):  # it dies of it, whatever ends the script meanwhile
+            self.pending = signum if self.pending is None else self.pending
+            self._pause()
             self._again(signum)
             return
         hurry(HURRY)

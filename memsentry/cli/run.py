@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end_by, signal_name
@@ -179,9 +179,8 @@ class _Run:
     def _stopped(self, ending: BaseException) -> None:
         """A signal or ``os._exit`` ends the script where it is: the report now."""
         if isinstance(ending, Stopped):
-            sys.stdout.flush()
-            print(f"memsentry: the script was stopped by {signal_name(ending.signum)}; its "
-                  "report up to here follows", file=sys.stderr, flush=True)
+            _say(f"memsentry run: the script was stopped by {signal_name(ending.signum)}; its "
+                 "report up to here follows", sys.stderr)
         self._finish(Outcome(ending.status if isinstance(ending, Exited) else 1, ending))
 
     def _finish(self, outcome: Outcome) -> int:
@@ -228,10 +227,9 @@ class _Run:
             code = code or 2
         if rank == 0:
             return _output(self.args, report, code)
-        sys.stdout.flush()
         saved = f"; its own is in {self.kept}" if self.kept else ""
-        print(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, "
-              f"which prints the combined report{saved}")
+        _say(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, "
+             f"which prints the combined report{saved}")
         return code
 
 
@@ -256,31 +254,43 @@ def rank_file(path: str, rank: int) -> str:
 
 
 def _output(args: argparse.Namespace, report: Report, code: int) -> int:
-    text = report.format(max_depth=args.depth, top=args.top, width=args.width)
-    if args.fit is not None:
-        text += "\n\n" + fit_text(report, args.fit, args.width)
-    sys.stdout.flush()
-    banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"
-    if args.output:
-        try:
-            with open(args.output, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
-        except OSError as error:  # it became unwritable while the script ran: keep the text
-            print(banner)
-            fail("run", f"-o: could not write {args.output!r} ({error.strerror}); the report "
-                        "is printed above")
-            code = code or 2
-    else:
-        print(banner)
+    """Save and print the report. The JSON file comes first: a standard output that is
+    closed, or held up by a reader that does not read, loses only the printed text."""
     if args.json:
         try:
             report.to_json(args.json)
         except OSError as error:
             fail("run", f"--json: could not write {args.json!r} ({error.strerror})")
             code = code or 2
+    text = report.format(max_depth=args.depth, top=args.top, width=args.width)
+    if args.fit is not None:
+        text += "\n\n" + fit_text(report, args.fit, args.width)
+    banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        except OSError as error:  # it became unwritable while the script ran: keep the text
+            _say(banner)
+            fail("run", f"-o: could not write {args.output!r} ({error.strerror}); the report "
+                        "is printed above")
+            code = code or 2
+    else:
+        _say(banner)
     if args.html:
         code = write_html(report, args.html, "run") or code
     return code
+
+
+def _say(text: str, stream: TextIO | None = None) -> None:
+    """Print ``text`` after what the script printed (on standard output by default); where
+    the stream is closed (a pipe whose reader left) or busy (a signal came in the middle of
+    a write), nothing."""
+    try:
+        sys.stdout.flush()
+        print(text, file=stream or sys.stdout, flush=True)
+    except (OSError, RuntimeError, ValueError):
+        pass
 
 
 def write_html(report: Report, path: str, command: str) -> int:
