@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+import memsentry
 
 #: Runs per form; more are run by hand when measuring (MEMSENTRY_INTERRUPT_RUNS=100).
 RUNS = int(os.environ.get("MEMSENTRY_INTERRUPT_RUNS", "4"))
@@ -75,3 +78,49 @@ def test_the_first_ctrl_c_stops_a_tracked_loop_every_time(tmp_path: Path, form: 
         assert code == -signal.SIGINT, f"run {run} (after {delay:.3f} s): exit {code}\n{err}"
         assert err.rstrip().endswith("KeyboardInterrupt"), err
         assert took < 20, f"run {run}: took {took:.1f} s to stop"
+
+
+class _Stops(torch.nn.Module):
+    """Raises ``error`` from its third forward, as a Ctrl-C landing there would."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0
+        self.error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise self.error
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, ValueError])
+@pytest.mark.parametrize("global_hooks", [True, False])
+def test_a_forward_left_by_an_exception_leaves_no_call_and_no_hook_behind(
+        error: type[BaseException], global_hooks: bool) -> None:
+    """PyTorch runs no forward hook when a ``BaseException`` that is not an ``Exception``
+    leaves a forward: the calls it ended must not stay on memsentry's stack (the next model
+    would be named as their child) and memsentry's saved-tensor hook must leave torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Stops(error), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    tracker = memsentry.track(None if global_hooks else model, on_leak="ignore")
+    with tracker:
+        with pytest.raises(error):
+            for _ in range(6):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        for _ in range(3):
+            other(torch.randn(4, 8)).sum().backward()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        model(torch.randn(4, 8)).sum().backward()  # the model again, from the top
+    names = {layer.name: layer.calls for layer in tracker.report().layers}
+    assert names["Sequential"] in (3, 4)  # the call the error ended counts when hooks ran
+    if global_hooks:  # the other model is a root of its own, not a child of the stopped call
+        assert names["Sequential#2"] == 3
+        assert not any("<" in name for name in names), names
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -3,11 +3,13 @@ whose peaks the sampler raises as it reads memory."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from memsentry.record.layers import LayerRecord
 
@@ -81,3 +83,26 @@ class ForwardCall:
     measured: bool = True
     pushed: bool = False
     hooks: str | None = None  # someone else's saved-tensor hooks it ran under
+    frame: int = 0  # id() of the frame that runs the call, while it runs
+
+
+def stale_calls(stack: list[ForwardCall], frame: types.FrameType,
+                record_of: Callable[[nn.Module], LayerRecord | None]) -> list[ForwardCall]:
+    """Take off ``stack`` (and return) the calls whose frames are gone, ``frame`` running now:
+    an exception that is not an ``Exception`` (KeyboardInterrupt, SystemExit) leaves a forward
+    without running its hooks, and a later call would be taken for a child of the call it
+    ended. A new frame can take a dead one's address, so each frame's module is compared
+    too."""
+    alive: dict[int, types.FrameType] = {}
+    running: types.FrameType | None = frame
+    while running is not None:
+        alive[id(running)] = running
+        running = running.f_back
+    gone = []
+    while stack:
+        found = alive.get(stack[-1].frame)
+        module = found.f_locals.get("self") if found is not None else None
+        if isinstance(module, nn.Module) and record_of(module) is stack[-1].record:
+            break
+        gone.append(stack.pop())
+    return gone

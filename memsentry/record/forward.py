@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memsentry.measure import StorageBackend
 from memsentry.record.backward import BackwardTimer, tensors_in
-from memsentry.record.calls import ForwardCall, in_backward
+from memsentry.record.calls import ForwardCall, in_backward, stale_calls
 from memsentry.record.coverage import Coverage
 from memsentry.record.failure import FailureWatch
 from memsentry.record.layers import (
@@ -63,6 +64,30 @@ def _fold_into(parent: ForwardCall, call: ForwardCall) -> None:
         if key not in parent.saved:
             parent.saved[key] = size
             parent.saved_bytes += size
+
+
+def aside_notes(sharded: set[str], scripted: set[str], compiled: set[str],
+                other_threads: int) -> list[str]:
+    """What the report says of FSDP2 units when CPU storages are counted (which misses
+    FSDP2's resizes), of TorchScript and torch.compile'd calls (measured as a whole), and of
+    calls from threads other than the loop's."""
+    aside = (
+        (sharded, SHARDED_NOTE),
+        (scripted, "ran as TorchScript: memsentry measured each call as a whole (memory at its "
+         "boundaries, iterations, holders); the modules inside it take no hooks and are not "
+         "measured one by one."),
+        (compiled, "ran as torch.compile'd code: memsentry measured each call as a whole "
+         "(memory at its boundaries, what it saved for backward, iterations, holders) but "
+         "steps aside inside it, so the layers inside it are not measured one by one (run it "
+         "uncompiled to see them)."),
+    )
+    notes = [f"{', '.join(f'`{n}`' for n in sorted(names))} {text}"
+             for names, text in aside if names]
+    if other_threads:
+        notes.append(f"{other_threads:,} module calls of the tracked model came from threads "
+                     "other than the loop's and were not measured (each thread's loop can have "
+                     "its own tracker).")
+    return notes
 
 
 class ForwardRecorder:
@@ -175,35 +200,17 @@ class ForwardRecorder:
 
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
         if module in self.scripted:
-            self.pre_forward(module, args)
+            self._enter(module, args, sys._getframe(1))
 
     def scripted_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if module in self.scripted:
             self.post_forward(module, args, output)
 
     def compiled_notes(self) -> list[str]:
-        """What the report says of the calls memsentry stepped aside for: inside a torch.func
-        transform, TorchScript, torch.compile'd code; and of FSDP2 units when CPU storages are
-        counted, which misses FSDP2's resizes."""
+        """What the report says of the calls memsentry stepped aside for."""
         counting = isinstance(self._sampler.backend, StorageBackend)
-        aside = (
-            (self._registry.sharded if counting else set(), SHARDED_NOTE),
-            (self.script_names, "ran as TorchScript: memsentry measured each call as a whole "
-             "(memory at its boundaries, iterations, holders); the modules inside it take no "
-             "hooks and are not measured one by one."),
-            (self.compiled, "ran as torch.compile'd code: memsentry measured each call as a "
-             "whole (memory at its boundaries, what it saved for backward, iterations, "
-             "holders) but steps aside inside it, so the layers inside it are not measured one "
-             "by one (run it uncompiled to see them)."),
-        )
-        notes = [f"{', '.join(f'`{n}`' for n in sorted(names))} {text}"
-                 for names, text in aside if names]
-        if self.other_threads:
-            notes.append(
-                f"{self.other_threads:,} module calls of the tracked model came from threads "
-                "other than the loop's and were not measured (each thread's loop can have its "
-                "own tracker).")
-        return notes + self.saved.notes()
+        return aside_notes(self._registry.sharded if counting else set(), self.script_names,
+                           self.compiled, self.other_threads) + self.saved.notes()
 
     def _aside(self, module: nn.Module) -> bool:
         """Whether a module call is none of memsentry's business: while Dynamo traces (a
@@ -228,11 +235,17 @@ class ForwardRecorder:
         return False
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._enter(module, args, sys._getframe(1))
+
+    def _enter(self, module: nn.Module, args: Any, frame: types.FrameType) -> None:
+        """A module call begins; ``frame`` runs it (``Module._call_impl``)."""
         if self._aside(module):
             return
         if self._sampler.backend is None:
             self._start_backend(module, args)
         stack = self.stack
+        if stack and self._registry.may_be_stale(module):
+            self._drop_stale(frame)
         parent = stack[-1].record if stack else None
         if parent is None:
             self._iteration_start(module)
@@ -258,12 +271,22 @@ class ForwardRecorder:
         allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)
         call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed,
-                           hooks=foreign)
+                           hooks=foreign, frame=id(frame))
         stack.append(call)
         if measured and self._backward is not None and torch.is_grad_enabled():
             call.backward = self._backward.watch_inputs(record, args)
         if measured:
             coverage.count(started)
+
+    def settle_stack(self) -> None:
+        """Outside any forward (a backward pass ended): no call of the stack may be stale."""
+        if self.stack:
+            self._drop_stale(sys._getframe(1))
+
+    def _drop_stale(self, frame: types.FrameType) -> None:
+        for call in stale_calls(self.stack, frame, self._registry.record_of):
+            if call.pushed:
+                self.saved.pop()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:

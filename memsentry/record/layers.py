@@ -250,6 +250,14 @@ class LayerRegistry:
         """Each live module called so far, by its layer's number."""
         return {record.index: module for module, record in list(self._by_module.items())}
 
+    def may_be_stale(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` with calls on the stack may find stale ones: it is a
+        module no tree names (a new model, under global hooks) or an outermost one."""
+        record = self._by_module.get(module)
+        if record is not None:
+            return record.depth == 0
+        return module not in self._names
+
     def record_of(self, module: nn.Module) -> LayerRecord | None:
         """The record of ``module`` if it was called, without creating one."""
         return self._by_module.get(module)

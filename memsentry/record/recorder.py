@@ -128,10 +128,9 @@ class Recorder:
             start_backend=self._start_lazily, iteration_start=self._outermost_call,
             owner=self._owner)
         self._handles: list[Any] = []
-        self._overall_peak = 0
+        self._overall_peak, self.active = 0, False
         self._final: tuple[int, int | None, Counters] | None = None
         self._oom: OutOfMemory | None = None
-        self.active = False
 
     # -- start and stop --------------------------------------------------------------------
     def start(self) -> None:
@@ -166,9 +165,8 @@ class Recorder:
         if not self.active:
             return
         try:
-            if self._sampler.backend is not None and (
-                self._clock.calls or not self._timeline.items
-            ):
+            if self._sampler.backend is not None and (self._clock.calls
+                                                      or not self._timeline.items):
                 self._close_iteration(Boundary.EXIT)
             # A census still pending would see the loop after it ended (its functions
             # returned, their locals gone): it is not taken.
@@ -202,8 +200,7 @@ class Recorder:
             self._backward.close()
         self._registry.clear_modules()
         self._signals.forget_modules()
-        self._model_ref = None
-        self._named = []
+        self._model_ref, self._named = None, []
 
     def _start_backend(self, device: torch.device) -> None:
         self.device = device
@@ -230,8 +227,11 @@ class Recorder:
             self._signal(Boundary.BACKWARD)
 
     def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
-        """A backward pass where no module was called (weights updated by hand) ends here."""
-        if self.active and not self._signals.module_seen and self._owner.mine():
+        """A backward pass ended: stale calls leave the stack; without modules, an iteration."""
+        if not self.active or not self._owner.mine():
+            return
+        self._forward.settle_stack()
+        if not self._signals.module_seen:
             if self._sampler.backend is None:  # no module ran to pick the device
                 self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)

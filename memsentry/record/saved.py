@@ -182,7 +182,9 @@ class SavedTensors:
         """Take the saved-tensor hooks off the stack (after the outermost call, or at stop)."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
-            hooks.__exit__(None, None, None)
+            top = _top_hooks(False)
+            if top is None or top[0] == self.pack:  # never another's: theirs to take off
+                hooks.__exit__(None, None, None)
 
     def notes(self) -> list[str]:
         """What the report says of the calls that ran under other saved-tensor hooks, and of
@@ -220,6 +222,8 @@ class SavedTensors:
                     "measured (their `saved` column is empty); memory at their boundaries is.")
         if self.recomputed:
             listed = ", ".join(f"`{n}`" for n in sorted(self.recomputed)[:8])
+            if len(self.recomputed) > 8:
+                listed += f" and {len(self.recomputed) - 8} more"
             notes.append(
                 f"{listed} ran again inside backward passes (the recomputation of activation "
                 "checkpointing): those calls are not counted as forward calls; their memory is "
