@@ -7,14 +7,17 @@
   killed it there: the script's ``finally`` blocks do not run, as they would not under
   python. Where the signal lands inside memsentry's own recording (a hook, a census) or
   inside a write to standard output, the signal is delivered again a moment later, so the
-  report is never made from half-updated figures or printed into a busy stream. A handler
-  the script installs over memsentry's is the script's business: one that calls
-  memsentry's as "the previous handler" finds it does nothing, as the default it replaced
-  could not have been called either.
+  report is never made from half-updated figures or printed into a busy stream; meanwhile
+  the script's own handlers are paused, and whatever ends the script then, the process
+  dies of that signal. A handler the script installs over memsentry's is the script's
+  business: one that calls memsentry's as "the previous handler" finds it does nothing, as
+  the default it replaced could not have been called either.
 - ``os._exit(status)`` in the script's process: the report first, then the exit.
 - While the report is being made (the script ended, or a signal came): a SIGTERM, SIGHUP or
   the first Ctrl-C shortens rank 0's wait for the other ranks' reports and is kept; once the
-  report is written, the process dies of it. A second Ctrl-C quits without the report.
+  report is written, the process dies of it. A second Ctrl-C quits without the report. The
+  script's own signal handlers are paused (torch's DataLoader raises from its SIGCHLD
+  handler when a worker dies).
 - A ``KeyboardInterrupt`` that ended the script: its traceback (without memsentry's frames),
   the report, then the end python gives such a program (:func:`die_interrupted`): threads
   joined, ``atexit`` functions run, death by SIGINT.

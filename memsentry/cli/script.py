@@ -164,18 +164,42 @@ def _is_machinery(frame: types.FrameType) -> bool:
 
 
 def without_machinery(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` from the first frame that is neither memsentry's nor runpy's: the traceback
-    python itself would have, starting at the script's module."""
-    while tb is not None and _is_machinery(tb.tb_frame):
+    """``tb`` without the frames of memsentry and runpy that the error only went through:
+    the command's own frames before the script's module, and memsentry's wrappers inside
+    the loop (its ``torch.autograd.backward``), as python itself would show it. Frames of
+    memsentry's where the error was raised stay, the frames that called them too."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
         tb = tb.tb_next
-    return tb
+    kept: list[types.TracebackType] = []
+    foreign_after = False  # a frame not memsentry's comes later
+    for entry in reversed(entries):
+        if foreign_after and _is_machinery(entry.tb_frame):
+            continue
+        kept.append(entry)
+        foreign_after = foreign_after or not _is_machinery(entry.tb_frame)
+    rebuilt = None
+    for entry in kept:  # innermost first
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+def _trim(error: BaseException, seen: set[int]) -> None:
+    """Trim ``error``'s traceback and those of the errors chained to it."""
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = without_machinery(error.__traceback__)
+        if error.__cause__ is not None:
+            _trim(error.__cause__, seen)
+        error = error.__context__  # type: ignore[assignment]
 
 
 def print_error(error: BaseException) -> None:
     """Print ``error`` as python prints an uncaught exception: through ``sys.excepthook``
     (the script may have set its own), without memsentry's frames."""
-    tb = without_machinery(error.__traceback__)
-    error.__traceback__ = tb
+    _trim(error, set())
+    tb = error.__traceback__
     try:
         sys.excepthook(type(error), error, tb)
     except Exception:  # a broken hook: python then prints with its own
