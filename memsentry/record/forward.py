@@ -199,7 +199,7 @@ class ForwardRecorder:
                 self._unhooked.add(index)
 
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
-        if module in self.scripted:
+        if module in self.scripted and not torch.compiler.is_compiling():
             self._enter(module, args, sys._getframe(1))
 
     def scripted_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -235,6 +235,8 @@ class ForwardRecorder:
         return False
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # a constant to Dynamo: nothing below is traced
+            return
         self._enter(module, args, sys._getframe(1))
 
     def _enter(self, module: nn.Module, args: Any, frame: types.FrameType) -> None:
