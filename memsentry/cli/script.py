@@ -167,11 +167,14 @@ def without_machinery(tb: types.TracebackType | None) -> types.TracebackType | N
     """``tb`` without the frames of memsentry and runpy that the error only went through:
     the command's own frames before the script's module, and memsentry's wrappers inside
     the loop (its ``torch.autograd.backward``), as python itself would show it. Frames of
-    memsentry's where the error was raised stay, the frames that called them too."""
+    memsentry's where the error was raised stay, the frames that called them too; none
+    where the script's code never ran (a syntax error, which python shows without any)."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
+    if all(_is_machinery(entry.tb_frame) for entry in entries):
+        return None
     kept: list[types.TracebackType] = []
     foreign_after = False  # a frame not memsentry's comes later
     for entry in reversed(entries):
