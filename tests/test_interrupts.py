@@ -28,7 +28,10 @@ import memsentry
 RUNS = int(os.environ.get("MEMSENTRY_INTERRUPT_RUNS", "4"))
 
 LOOP = textwrap.dedent("""
-    import sys, torch, memsentry
+    import signal, sys, torch, memsentry
+    # As in a terminal, whatever the test runner left (a job started in the background with
+    # no job control starts with SIGINT ignored, and Python then keeps it so).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from torch import nn
     torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
