@@ -58,9 +58,18 @@ def _environment() -> dict[str, str]:
     return env
 
 
+def _default_signals() -> None:
+    """In the child, before it starts: the signals at their default, as a terminal's process
+    has them (a test runner started in the background, or under nohup, passes SIGINT or
+    SIGHUP on ignored, and python and memsentry then leave them so)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start(command: list[str], cwd: Path, **extra: object) -> subprocess.Popen[str]:
     return subprocess.Popen(command, cwd=cwd, env=_environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **extra)  # type: ignore[call-overload]
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_signals,
+                            **extra)  # type: ignore[call-overload]
 
 
 def _memsentry(*args: str) -> list[str]:
@@ -228,7 +237,8 @@ def _start_ranks(tmp_path: Path, mode: str, *options: str) -> list[subprocess.Po
                "MASTER_PORT": port}
         procs.append(subprocess.Popen(
             _memsentry("--json", "r.json", *options, str(script), mode), cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_default_signals))
     return procs
 
 
@@ -344,7 +354,7 @@ def test_under_torchrun_a_killed_rank_leaves_rank_0s_reports(tmp_path: Path) -> 
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", "-m", "memsentry", "run", "--json", "r.json", str(script)],
         cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT,
-        check=False)
+        check=False, preexec_fn=_default_signals)
     assert done.returncode != 0
     assert "exitcode  : -15" in done.stderr and "exitcode  : -9" in done.stderr, \
         done.stderr[-3000:]
