@@ -39,7 +39,13 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from memsentry.record.ranks import hurry
+
+def hurry(seconds: float) -> None:
+    """Bring rank 0's wait for the other ranks' reports to at most ``seconds`` from now
+    (torch, and so the ranks module, is imported only by ``run``, which is running)."""
+    from memsentry.record.ranks import hurry as hurry_ranks
+
+    hurry_ranks(seconds)
 
 #: The signals that kill by default and whose report memsentry writes first.
 STOPPING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))

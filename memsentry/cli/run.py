@@ -14,7 +14,6 @@ from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end
 from memsentry.cli.files import reason
 from memsentry.cli.script import Outcome, Script, print_error
 from memsentry.errors import MemsentryError
-from memsentry.record.ranks import HANDOFF
 from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
@@ -158,6 +157,8 @@ class _Run:
         self.unsaved = False  # whether saving it failed (status 2 for a script that ended well)
 
     def __call__(self, script: Script) -> int:
+        from memsentry.record.ranks import HANDOFF  # with torch: `run` is running
+
         outcome, code = Outcome(1), 1
         HANDOFF.keep = self._keep if self.args.json else None
         with script.installed():
