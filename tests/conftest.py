@@ -48,10 +48,19 @@ def _every_call_measured(request: pytest.FixtureRequest,
         monkeypatch.setattr(coverage, "FLOOR", 3600.0)
 
 
+def optimizer_post_hooks() -> list[int]:
+    """The ids of torch's global optimizer step hooks, less memsentry's idle one (see below)."""
+    from memsentry.record.threads import step_hook_ids
+
+    idle = step_hook_ids()
+    return [key for key in optimizer_globals._global_optimizer_post_hooks if key not in idle]
+
+
 def _hook_counts() -> dict[str, int]:
     """The size of each global registry, less memsentry's one optimizer step hook of the
-    process: it stays registered, calling nobody, when a tracker stops while other threads
-    run (removing it could break a step they are taking), and goes at a later stop."""
+    process: it stays registered, calling nobody, when a tracker stops while other live
+    threads were seen stepping (removing it could break a step they are taking), and goes at
+    a later stop."""
     from memsentry.record.threads import step_hook_ids
 
     idle = step_hook_ids()

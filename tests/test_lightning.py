@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import optimizer_post_hooks
 from torch import nn
-from torch.optim.optimizer import _global_optimizer_post_hooks
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -144,7 +144,7 @@ def assert_unhooked(module: nn.Module) -> None:
         assert not sub._backward_hooks and not sub._backward_pre_hooks
     assert not torch.nn.modules.module._global_forward_hooks
     assert not torch.nn.modules.module._global_forward_pre_hooks
-    assert not _global_optimizer_post_hooks
+    assert not optimizer_post_hooks()
 
 
 def leaks(report: memsentry.Report) -> list[memsentry.Finding]:

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.modules.module as module_globals
-import torch.optim.optimizer as optimizer_globals
 from conftest import (
     MiB,
     TempAllocator,
     gc_disabled,
     make_mlp,
+    optimizer_post_hooks,
     train,
 )
 from torch import nn
@@ -34,7 +34,7 @@ def _global_hook_sizes() -> tuple[int, ...]:
         len(module_globals._global_forward_hooks),
         len(module_globals._global_forward_pre_hooks),
         len(module_globals._global_forward_hooks_always_called),
-        len(optimizer_globals._global_optimizer_post_hooks),
+        len(optimizer_post_hooks()),
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks
+from conftest import optimizer_post_hooks
 from torch.utils.data import Dataset
 
 import memsentry
@@ -211,7 +211,7 @@ def test_an_exception_comes_out_unchanged_with_no_hook_left(tmp_path: Path) -> N
     with pytest.raises(RuntimeError, match="bad step 3") as caught:
         train(tmp_path, [callback], KeepsLosses, fail_at=3)
     assert caught.traceback[-1].name == "compute_loss"
-    assert not _global_optimizer_post_hooks
+    assert not optimizer_post_hooks()
     assert not torch.nn.modules.module._global_forward_hooks
     assert callback.report is not None and len(callback.report.iterations) >= 3
 

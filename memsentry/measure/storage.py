@@ -141,7 +141,7 @@ class StorageCounter(_CountingMode):
         self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
             {} if other_devices else None
         )
-        self.current = 0
+        self._current = 0
         self.peak = 0
         # Freed storages are queued by weak references whose callback is a list's ``append``
         # (C code only: nothing of memsentry's runs in a finaliser, where an exception, a
@@ -152,6 +152,12 @@ class StorageCounter(_CountingMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         return self.dispatch(func, args, kwargs)
+
+    @property
+    def current(self) -> int:
+        """Bytes of the CPU storages made while counting and still alive."""
+        self.settle()
+        return self._current
 
     @property
     def live(self) -> dict[int, int]:
@@ -232,9 +238,9 @@ class StorageCounter(_CountingMode):
             self.sites[key] = user_site()
         if self.history is not None:
             self.history.alloc(key, size)
-        self.current += size
-        if self.current > self.peak:
-            self.peak = self.current
+        self._current += size
+        if self._current > self.peak:
+            self.peak = self._current
         self._watch(storage, key, False)
 
     def _see_device(self, tensor: torch.Tensor, inputs: set[int]) -> None:
@@ -248,7 +254,7 @@ class StorageCounter(_CountingMode):
 
     def _free(self, key: int) -> None:
         size = self._live.pop(key, 0)
-        self.current -= size
+        self._current -= size
         if self.sites is not None:
             self.sites.pop(key, None)
         if self.history is not None and size:

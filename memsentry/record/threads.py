@@ -8,7 +8,8 @@ several trackers share without one thread ever changing what another is reading.
   registering or removing one while another thread steps an optimizer raises
   ``OrderedDict mutated during iteration`` in that thread. memsentry registers one hook for
   the process (:func:`listen_to_steps`), which calls the trackers listening now (a tuple,
-  replaced whole, never changed in place), and removes it only when no other thread runs.
+  replaced whole, never changed in place), and removes it only when no other live thread
+  was seen stepping an optimizer.
 - A census pauses the garbage collector; trackers in several threads pause it together
   (:func:`collector_paused`), and the last one to finish puts back what the user had.
 """
@@ -54,9 +55,19 @@ _listeners: tuple[StepListener, ...] = ()
 _handle: RemovableHandle | None = None
 
 
+_steppers: set[int] = set()  # threads seen stepping an optimizer while the hook was there
+
+
 def _dispatch(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _steppers.add(threading.get_ident())
     for listener in _listeners:
         listener(optimizer, args, kwargs)
+
+
+def _others_step() -> bool:
+    """Whether a thread other than this one, still alive, was seen stepping an optimizer."""
+    others = {thread.ident for thread in threading.enumerate()} - {threading.get_ident()}
+    return bool(others & _steppers)
 
 
 def listen_to_steps(listener: StepListener) -> None:
@@ -71,14 +82,16 @@ def listen_to_steps(listener: StepListener) -> None:
 
 def forget_steps(listener: StepListener) -> None:
     """Stop calling ``listener``. The process's hook goes when nothing listens and no other
-    thread runs (one that does might be stepping an optimizer: removing the hook then would
-    break its step); else it stays, calling nobody, until a later stop can remove it."""
+    live thread was seen stepping an optimizer (one that is might be in a step: removing the
+    hook then would break it); else it stays, calling nobody, until a later stop can remove
+    it."""
     global _listeners, _handle
     with _lock:
         _listeners = tuple(known for known in _listeners if known != listener)
-        if not _listeners and _handle is not None and threading.active_count() == 1:
+        if not _listeners and _handle is not None and not _others_step():
             _handle.remove()
             _handle = None
+            _steppers.clear()
 
 
 def step_hook_ids() -> set[int]:
