@@ -64,6 +64,9 @@ _EXPORTS = {
     "REPORTERS": "memsentry.reporters",
     "Tracker": "memsentry.tracker",
     "track": "memsentry.tracker",
+    "watch": "memsentry.tracker",
+    "Cost": "memsentry.model",
+    "PartCost": "memsentry.model",
     "format_bytes": "memsentry.units",
     "parse_size": "memsentry.units",
 }
@@ -77,6 +80,7 @@ __all__ = [
     "Breakdowns",
     "Census",
     "Change",
+    "Cost",
     "Diff",
     "Finding",
     "FixKind",
@@ -100,6 +104,7 @@ __all__ = [
     "MemsentryError",
     "OomFix",
     "OutOfMemory",
+    "PartCost",
     "PeakMode",
     "Phase",
     "Report",
@@ -123,6 +128,7 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "track",
+    "watch",
 ]
 
 if TYPE_CHECKING:
@@ -142,6 +148,7 @@ if TYPE_CHECKING:
         Breakdowns,
         Census,
         Change,
+        Cost,
         Finding,
         FixKind,
         Forecast,
@@ -161,6 +168,7 @@ if TYPE_CHECKING:
         Measured,
         OomFix,
         OutOfMemory,
+        PartCost,
         PeakMode,
         Phase,
         ReportData,
@@ -177,7 +185,7 @@ if TYPE_CHECKING:
     from memsentry.report import Report
     from memsentry.reporters import REPORTERS
     from memsentry.rules import RULES, analyse
-    from memsentry.tracker import Tracker, track
+    from memsentry.tracker import Tracker, track, watch
     from memsentry.units import format_bytes, parse_size
 
 

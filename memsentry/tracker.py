@@ -16,12 +16,14 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
 
+from memsentry.alarm import Alarm, LiveAlarm, finding_key, leak_text
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
-from memsentry.model import Finding, ReportData, Severity
+from memsentry.model import ReportData, Severity
 from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
 from memsentry.record.options import SNAPSHOT_ENTRIES
 from memsentry.record.paths import unwritable
@@ -32,26 +34,12 @@ from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
 from memsentry.rules.oom import explain_oom
 from memsentry.rules.ranks import combine
-from memsentry.usercode.text import printable
 
 
 class _State(enum.Enum):
     NEW = "new"
     ACTIVE = "active"
     STOPPED = "stopped"
-
-
-def leak_text(report: ReportData) -> tuple[str, tuple[Finding, ...]] | None:
-    """The message of a :class:`~memsentry.LeakWarning` or :class:`~memsentry.LeakError`
-    about ``report``'s leaks, and the leaks; ``None`` when it has none."""
-    leaks = tuple(f for f in report.findings if f.severity is Severity.LEAK)
-    if not leaks:
-        return None
-    lines = [f"memsentry found {len(leaks)} leak(s):"]
-    # Written to a terminal: control characters of the program's names as visible escapes.
-    lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: "
-              f"{printable(f.message)}. Fix: {printable(f.fix)}" for f in leaks]
-    return "\n".join(lines), leaks
 
 
 def checked_names(names: object) -> list[tuple[str, object, str]]:
@@ -73,6 +61,74 @@ def checked_names(names: object) -> list[tuple[str, object, str]]:
                             "leave this one out") from None
         checked.append(entry)
     return checked
+
+
+def gathered(own: Report, rank: RankInfo, timeout: float) -> Report | None:
+    """Rank 0's combined report once every rank handed its own in (``None`` on the other
+    ranks, or where the store broke or a payload was bad: each rank keeps its own)."""
+    try:
+        found = share(rank, own.to_json(indent=0), timeout)
+        if found is None:
+            return None
+        reports = [own, *(None if text is None else ReportData.from_dict(json.loads(text))
+                          for text in found[1:])]
+        return Report.from_data(combine(reports, gather_limit(timeout)))
+    except Exception:
+        return None
+
+
+def with_oom_note(report: Report, error: BaseException) -> None:
+    """An out-of-memory error leaving the block gets memsentry's verdict as a note; its
+    type, message and traceback stay as they were."""
+    add_note = getattr(error, "add_note", None)  # Python 3.11 and newer
+    try:
+        if report.oom is not None and add_note is not None:
+            add_note(oom_note(report.oom))
+    except Exception:
+        pass
+
+
+def saved_snapshot(snapshot: SnapshotRecording, path: str | os.PathLike[str], *,
+                   started: bool) -> str:
+    """``Tracker.snapshot(path)``: the snapshot written, or an error saying why not."""
+    if not snapshot.enabled:
+        raise TrackerStateError(
+            "Tracker.snapshot() needs the allocation history, which this tracker does not "
+            "record; create it with memsentry.track(..., snapshot=True) (or snapshot=path)"
+        )
+    if not started:
+        raise TrackerStateError("Tracker.snapshot() was called before start(); the "
+                                "history is recorded between start() and stop()")
+    problem = unwritable(path)
+    if problem is not None:
+        raise ValueError(f"Tracker.snapshot({os.fspath(path)!r}): {problem}")
+    data = snapshot.data()
+    if data is None:
+        why = " ".join(snapshot.notes) or "nothing was recorded."
+        raise TrackerStateError(f"Tracker.snapshot(): no snapshot to write: {why}")
+    return write_snapshot(data, path)
+
+
+def checked_alarm(alarm: object) -> Alarm | None:
+    """``track(alarm=...)`` as given, or an error saying what it takes."""
+    if alarm is not None and not callable(alarm):
+        raise TypeError("track(alarm=...) takes a function called as alarm(message, leaks) "
+                        f"when a leak is established while the loop runs; got {alarm!r}")
+    return alarm
+
+
+def checked_report_path(path: object) -> str | None:
+    """``track(report_path=...)`` as a str, or an error saying what it takes."""
+    if path is None:
+        return None
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
+        raise TypeError("track(report_path=...) is the JSON file the report is kept in while "
+                        f"the run goes on (a str or os.PathLike); got {path!r}")
+    problem = unwritable(text)
+    if problem is not None:
+        raise ValueError(f"track(report_path={text!r}): {problem}")
+    return text
 
 
 def _outside(method: str) -> TrackerStateError:
@@ -98,13 +154,18 @@ class Tracker:
     last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
     for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
     ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
-    before older ones are thinned out. ``on_leak``: what happens at the end when a LEAK
-    finding was made: ``"warn"`` (a :class:`~memsentry.LeakWarning`), ``"raise"`` (a
-    :class:`~memsentry.LeakError`, unless the block is already raising) or ``"ignore"``.
+    before older ones are thinned out. ``on_leak``: what happens when a LEAK finding is made,
+    as soon as the census that proves it is taken and again at the end: ``"warn"`` (a
+    :class:`~memsentry.LeakWarning`, at the user's line while the loop runs, at the with-block
+    at the end), ``"raise"`` (a :class:`~memsentry.LeakError`, raised in the loop at the next
+    iteration boundary, or at the end unless the block is already raising) or ``"ignore"``.
     ``holders``: search for who holds tensors at iteration boundaries; ``holder_budget``: the
-    seconds one search may take. ``overhead``: the share of the loop's time measuring layers
-    may take (default 0.03); past it, layers are measured in turn, fewer each iteration, and
-    the report says so. ``None`` measures every call whatever it costs. ``gather_timeout``:
+    seconds one search may take. ``overhead``: the share of the loop's own time everything
+    memsentry does may take (hooks, readings, censuses, the rules run while the loop runs;
+    default 0.03). Past it memsentry thins out: iterations are *light* (only their boundaries
+    read, no hook on any module), layers are measured in turn within the others, censuses
+    wait until the budget can pay for them; the report says so (``report.cost`` has the
+    ledger). ``None`` measures everything whatever it costs. ``gather_timeout``:
     in a ``torch.distributed`` process group, the seconds rank 0 waits at the end for the
     other ranks' reports, which its report then combines (no collective is involved).
     ``snapshot``: record the allocation history for PyTorch's memory_viz
@@ -117,6 +178,14 @@ class Tracker:
     what it is, as ``(name, object, role)``: ``("self", lightning_module, "LightningModule")``.
     The holder search starts from them, so a list in ``self.step_losses`` is named so, with
     the line in the class that fills it, not by the framework's path to it. Held weakly.
+    ``alarm``: called as ``alarm(message, leaks)`` in the loop's thread as soon as the census
+    that proves a leak is taken (instead of the warning ``on_leak="warn"`` gives then); an
+    error it raises is raised in the loop at the next iteration boundary, as ``on_leak=
+    "raise"`` does with a :class:`~memsentry.LeakError`. ``report_path``: a JSON file that
+    holds the report while the run goes on, rewritten atomically at every new finding and
+    every two minutes, and at the end: a run that is killed leaves its latest report.
+    ``watch``: the always-on mode (:func:`memsentry.watch`): censuses also when the memory
+    left at iteration boundaries climbs by 1 MiB since the last one.
     """
 
     def __init__(
@@ -136,6 +205,9 @@ class Tracker:
         snapshot: bool | str | os.PathLike[str] = False,
         snapshot_entries: int = SNAPSHOT_ENTRIES,
         names: Sequence[tuple[str, object, str]] = (),
+        alarm: Alarm | None = None,
+        report_path: str | os.PathLike[str] | None = None,
+        watch: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(
@@ -146,12 +218,17 @@ class Tracker:
             device=device, exact=exact, saved_tensors=saved_tensors, backward=backward,
             max_iterations=max_iterations, on_leak=on_leak, holders=holders,
             holder_budget=holder_budget, overhead=overhead, gather_timeout=gather_timeout,
-            snapshot=snapshot, snapshot_entries=snapshot_entries,
+            snapshot=snapshot, snapshot_entries=snapshot_entries, watch=watch,
         )
         self._options = with_snapshot_options(checked, model)
         self._snapshot = SnapshotRecording(self._options,
                                            exact_implied=self._options.exact != checked.exact)
         self._recorder = Recorder(model, self._options, checked_names(names))
+        self._live = LiveAlarm(self._options.on_leak, checked_alarm(alarm),
+                               checked_report_path(report_path))
+        if self._live.listening:
+            self._recorder.listener = self._live.listener(self.own_report, self._recorder)
+        self._own: Report | None = None  # the report, once tracking ended
         self._state = _State.NEW
         self._rank: RankInfo | None = None
         self._combined: Report | None = None  # rank 0's, once every rank handed its in
@@ -210,48 +287,34 @@ class Tracker:
                 self._recorder.failed(error)
             except Exception:  # never replace the user's error with memsentry's
                 pass
-        self._finish(raising=error is not None)
+        self._finish(error)
         if error is not None:
-            self._note_failure(error)
+            with_oom_note(self.report(), error)
 
-    def _note_failure(self, error: BaseException) -> None:
-        """An out-of-memory error leaving the block gets memsentry's verdict as a note; its
-        type, message and traceback stay as they were."""
-        add_note = getattr(error, "add_note", None)  # Python 3.11 and newer
-        try:
-            oom = self.report().oom if add_note is not None else None
-            if oom is not None and add_note is not None:
-                add_note(oom_note(oom))
-        except Exception:
-            pass
-
-    def _finish(self, *, raising: bool) -> None:
+    def _finish(self, error: BaseException | None) -> None:
         self._state = _State.STOPPED
         self._recorder.stop()
         self._snapshot.end(self._recorder.device)
         self._gather()
-        if self._options.on_leak != "ignore":
-            self._signal_leaks(raising=raising)
+        self._live.save(self.own_report())  # this rank's file, as the run ended
+        unraised, self._recorder.raise_at_boundary = self._recorder.raise_at_boundary, None
+        in_loop = self._live.raised_leak and unraised is None  # raised there: not again
+        if self._options.on_leak != "ignore" and not in_loop:
+            self._signal_leaks(raising=error is not None)
 
     def _gather(self) -> None:
         """In a process group: hand this rank's report to rank 0, which combines them (no
         collective: see :mod:`memsentry.record.ranks`). Never fails the user's run."""
         self._rank = rank_info() or self._rank
-        if self._rank is None or self._rank.world_size < 2:
-            return
-        try:
-            own = self.own_report()
-            found = share(self._rank, own.to_json(indent=0), self._options.gather_timeout)
-            if found is not None:
-                reports = [own, *(None if text is None else ReportData.from_dict(
-                    json.loads(text)) for text in found[1:])]
-                self._combined = Report.from_data(
-                    combine(reports, gather_limit(self._options.gather_timeout)))
-        except Exception:  # a broken store or a bad payload: each rank keeps its own report
-            self._combined = None
+        if self._rank is not None and self._rank.world_size >= 2:
+            self._combined = gathered(self.own_report(), self._rank,
+                                      self._options.gather_timeout)
 
     def _signal_leaks(self, *, raising: bool) -> None:
-        found = leak_text(self.report())
+        report = self.report()
+        unsaid = tuple(f for f in report.findings if f.severity is Severity.LEAK
+                       and finding_key(f) not in self._live.warned)  # warned of mid-run
+        found = leak_text(report, unsaid)
         if found is None:
             return
         text, leaks = found
@@ -295,22 +358,7 @@ class Tracker:
         format; open it at https://pytorch.org/memory_viz) to ``path`` and return the path:
         the one frozen when tracking ended, or, while tracking, as it stands now. Needs
         ``track(snapshot=...)``."""
-        if not self._options.snapshot:
-            raise TrackerStateError(
-                "Tracker.snapshot() needs the allocation history, which this tracker does not "
-                "record; create it with memsentry.track(..., snapshot=True) (or snapshot=path)"
-            )
-        if self._state is _State.NEW:
-            raise TrackerStateError("Tracker.snapshot() was called before start(); the "
-                                    "history is recorded between start() and stop()")
-        problem = unwritable(path)
-        if problem is not None:
-            raise ValueError(f"Tracker.snapshot({os.fspath(path)!r}): {problem}")
-        data = self._snapshot.data()
-        if data is None:
-            why = " ".join(self._snapshot.notes) or "nothing was recorded."
-            raise TrackerStateError(f"Tracker.snapshot(): no snapshot to write: {why}")
-        return write_snapshot(data, path)
+        return saved_snapshot(self._snapshot, path, started=self._state is not _State.NEW)
 
     def report(self) -> Report:
         """A frozen :class:`~memsentry.Report` of what was recorded so far (also mid-run), with
@@ -320,19 +368,39 @@ class Tracker:
 
     def own_report(self) -> Report:
         """This rank's own report, also on rank 0 of a process group (where :meth:`report`
-        combines every rank's)."""
+        combines every rank's). Built once when tracking ended, then the same."""
+        if self._own is not None:
+            return self._own
         recording: ReportData = self._recorder.recording()
         report = Report.from_data(recording)
         if self._rank is None and self._state is _State.ACTIVE:
             self._rank = rank_info()
         where = self._rank
-        if self._snapshot.notes:
-            report = replace(report, notes=(*report.notes, *self._snapshot.notes))
-        return replace(report, findings=analyse(report), oom=explain_oom(report),
-                       rank=where.rank if where else None,
-                       world_size=where.world_size if where else None,
-                       host=where.host if where else None)
+        notes = (*self._snapshot.notes, *self._live.errors)
+        if notes:
+            report = replace(report, notes=(*report.notes, *notes))
+        report = replace(report, findings=analyse(report), oom=explain_oom(report),
+                         rank=where.rank if where else None,
+                         world_size=where.world_size if where else None,
+                         host=where.host if where else None)
+        if self._state is _State.STOPPED:
+            self._own = report
+        return report
 
 
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.
 track = Tracker
+
+#: The share of the loop's time ``watch()`` takes by default.
+WATCH_OVERHEAD = 0.01
+
+
+def watch(model: nn.Module | None = None, **options: Any) -> Tracker:
+    """The always-on mode for long training: a :class:`Tracker` (use it as ``track()``'s)
+    with ``watch=True`` and ``overhead=0.01`` unless given. It reads the counters at iteration
+    boundaries, measures layers only in the iterations its 1% budget can pay for, and takes a
+    census when the memory left at boundaries climbs (besides the doubling schedule, as its
+    budget allows); a leak is said as soon as a census proves it (``on_leak``, ``alarm``), and
+    ``report_path`` keeps the latest report on disk while the run goes on."""
+    options.setdefault("overhead", WATCH_OVERHEAD)
+    return Tracker(model, watch=True, **options)

@@ -40,12 +40,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _every_call_measured(request: pytest.FixtureRequest,
                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests judge memory and behaviour, not timing: how much of the loop's time measuring
-    takes depends on the machine's load, so outside the tests of measuring in turn (marked
-    ``in_turn``) the time below which every call is measured is raised out of reach."""
+    takes depends on the machine's load, so outside the tests of memsentry's cost budget
+    (marked ``in_turn``) the time below which every call is measured, the iterations always
+    sampled and the censuses' credit are raised out of reach: every iteration is sampled,
+    every census taken when due.
+    """
     if request.node.get_closest_marker("in_turn") is None:
-        from memsentry.record import coverage
+        from memsentry.record import budget, coverage
 
         monkeypatch.setattr(coverage, "FLOOR", 3600.0)
+        monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
+        monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
+        monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
+
+
+@pytest.fixture
+def ample_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the tests of the window of layers measured in turn: the whole budget's credit out
+    of reach, so that every iteration is sampled and only the window thins measuring."""
+    from memsentry.record import budget
+
+    monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
+    monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
+    monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
 
 
 def optimizer_post_hooks() -> list[int]:

@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memsentry.record",),
     ("memsentry.rules",),
     ("memsentry.reporters",),
-    ("memsentry.report", "memsentry.tracker"),
+    ("memsentry.report", "memsentry.alarm", "memsentry.tracker"),
     ("memsentry.cli", "memsentry.integrations", "memsentry.__main__", "memsentry"),
     ("pytest_memsentry",),
 )

@@ -161,7 +161,7 @@ def test_breakdowns_survive_json_and_show_in_the_text_report(tmp_path: object) -
 
 
 @pytest.mark.in_turn
-def test_iterations_that_measure_layers_in_turn_carry_the_last_reading() -> None:
+def test_iterations_that_measure_layers_in_turn_carry_the_last_reading(ample_budget: None) -> None:
     # 400 modules of tiny ops: measuring every call costs far more than 0.1% of the loop,
     # so from the fourth iteration layers are measured in turn and the parts are read only
     # when the outermost call is.
@@ -190,7 +190,7 @@ def test_iterations_that_measure_layers_in_turn_carry_the_last_reading() -> None
 @pytest.mark.in_turn
 @pytest.mark.parametrize("made_inside", [False, True], ids=["model-before", "model-inside"])
 def test_carried_readings_in_exact_mode_count_what_the_counter_missed_once(
-        made_inside: bool) -> None:
+        made_inside: bool, ample_budget: None) -> None:
     # With storage counting, parameters made before tracking are outside the counter and
     # are added to each peak. An iteration that carries a reading must add what that
     # reading found outside, not the gradients it saw then (freed by zero_grad since, so no

@@ -39,8 +39,9 @@ def train(model: nn.Module, steps: int, *, kept: list[torch.Tensor] | None = Non
 
 
 @pytest.fixture
-def no_floor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small test models cost less than the floor below which nothing rotates."""
+def no_floor(monkeypatch: pytest.MonkeyPatch, ample_budget: None) -> None:
+    """Small test models cost less than the floor below which nothing rotates; every
+    iteration is sampled (the budget's light iterations are tested in test_budget.py)."""
     monkeypatch.setattr(coverage_module, "FLOOR", 0.0)
 
 

@@ -6,6 +6,7 @@ result, no exception and leaves no hook behind."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import warnings
@@ -286,6 +287,27 @@ def test_on_leak_warns_at_the_users_line_and_raise_keeps_the_saved_report(
         fit(made("train"), [MemsentryCallback(on_leak="raise", report_path=path,
                                               print_report=False)], epochs=1)
     assert "self.step_losses" in path.read_text()
+
+
+def test_a_leak_is_logged_while_fit_runs_and_raise_ends_fit_there_with_the_report_saved(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # 16 steps an epoch, 3 epochs: the censuses of steps 2, 3 and 4 prove the leak, and it is
+    # said (on the callback's logger) as step 5 begins, not when fit ends 43 steps later.
+    module = made("train")
+    with caplog.at_level(logging.WARNING, logger="memsentry.integrations.lightning"), \
+            pytest.warns(LeakWarning):
+        fit(module, [MemsentryCallback(print_report=False)])
+    said = [r for r in caplog.records if r.getMessage().startswith("memsentry: LEAK")]
+    assert said and "tensor-accumulation: `self.step_losses`" in said[0].getMessage()
+    module = made("train")
+    path = tmp_path / "report.json"
+    with pytest.raises(LeakError, match=r"self\.step_losses"):
+        fit(module, [MemsentryCallback(on_leak="raise", report_path=path,
+                                       print_report=False)])
+    assert 5 <= len(module.seen) <= 8  # the steps fit ran: it stopped at the next boundary
+    saved = memsentry.Report.from_json(path)
+    assert [f.rule for f in leaks(saved)] == ["tensor-accumulation"]
+    assert_unhooked(module)
 
 
 def test_an_exception_comes_out_unchanged_with_no_hook_left_and_the_report_kept() -> None:

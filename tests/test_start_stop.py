@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,10 +116,14 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
     tracker = memsentry.track(model).start()
     assert tracker.active
     history: list[torch.Tensor] = []
-    _fit(model, 7, history)
     with pytest.warns(LeakWarning, match="tensor-accumulation") as caught:
+        _fit(model, 7, history)  # said as the census of iteration 4 proves it
+    forward = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                   if "loss = model(torch.randn(8, 16))" in line)
+    assert {(w.filename, w.lineno) for w in caught} == {(__file__, forward)}  # the loop's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: stop() does not repeat it
         first = tracker.stop()
-    assert {w.filename for w in caught} == {__file__}  # the line that called stop()
     assert isinstance(first, Report) and not tracker.active
     assert [f.rule for f in first.findings] == ["tensor-accumulation"]
     with warnings.catch_warnings():
@@ -128,10 +133,30 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
 
 
 def test_stop_raises_the_leak_with_on_leak_raise() -> None:
+    # Raised in the loop at the first boundary after the proof (the census of iteration 4,
+    # taken as iteration 5 begins); a framework's on_exception then calls stop(error).
     model = make_mlp()
     tracker = memsentry.track(model, on_leak="raise").start()
     history: list[torch.Tensor] = []
-    _fit(model, 7, history)
+    with pytest.raises(LeakError) as caught:
+        _fit(model, 12, history)
+    assert len(history) == 5
+    assert [f.rule for f in caught.value.findings] == ["tensor-accumulation"]
+    assert tracker.active
+    report = tracker.stop(caught.value)  # not raised again
+    assert [f.rule for f in report.findings] == ["tensor-accumulation"]
+    assert not tracker.active
+    for module in model.modules():
+        assert not module._forward_hooks
+
+
+def test_stop_raises_a_leak_it_finds_at_the_end() -> None:
+    # A leak proven only by the end's census is raised by stop(), after every hook went.
+    model = make_mlp()
+    tracker = memsentry.track(model, on_leak="raise").start()
+    history: list[torch.Tensor] = []
+    _fit(model, 5, history)  # the census of iteration 4 is pending as the loop ends
+    tracker.census()
     with pytest.raises(LeakError) as caught:
         tracker.stop()
     assert [f.rule for f in caught.value.findings] == ["tensor-accumulation"]

@@ -24,11 +24,12 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
 
     ``gc.DEBUG_SAVEALL`` parks the unreachable objects in ``gc.garbage`` (finalisers and weakref
     callbacks have run, as in a normal collection) and moves them to the oldest generation.
-    After counting, they are released and, when there were any, a full collection frees them
-    for real: the costly step, paid only when cycles exist. A cycle still alive at one census
-    is promoted out of the young generations by then, so once cycles owning tensors were
-    seen the tracker asks for ``everything``. ``sample`` reads allocated memory, to measure
-    what was freed.
+    After counting, they are released and, when tensors were among them, a full collection
+    frees them for real: the costly step, paid only when cycles own tensors (other garbage
+    goes at the interpreter's next full collection, as any object it promotes does). A cycle
+    still alive at one census is promoted out of the young generations by then, so once
+    cycles owning tensors were seen the tracker asks for ``everything``. ``sample`` reads
+    allocated memory, to measure what was freed.
     """
     before = sample()
     flags = gc.get_debug()
@@ -58,7 +59,7 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
     objects = len(found)
     found.clear()
     del found
-    if objects:
+    if tensors:  # a full collection (0.4 s beside torch's 170,000 objects here) frees them
         gc.collect()
     freed = max(0, before - sample())
     # The user's own classes first (the cycle's likely author), then library types.

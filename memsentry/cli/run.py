@@ -17,6 +17,7 @@ from memsentry.errors import MemsentryError
 from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
+    from memsentry.model import Finding
     from memsentry.report import Report
     from memsentry.tracker import Tracker
 
@@ -40,6 +41,12 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
                              "(e.g. 80GiB), from the batch sizes the run measured")
+    parser.add_argument("--watch", action="store_true",
+                        help="the always-on mode for long runs: memsentry keeps to 1%% of the "
+                             "loop's time (measuring layers in the iterations that budget "
+                             "pays for) and takes a census when the memory left at iteration "
+                             "boundaries climbs; a leak is said on stderr as soon as it is "
+                             "proven, and --json FILE holds the latest report while it runs")
     parser.add_argument("--gather-timeout", metavar="SECONDS", type=_seconds, default=60.0,
                         help="under torchrun: the seconds rank 0 waits at the end for the "
                              "other ranks' reports (default 60; 10 once the job is being "
@@ -111,7 +118,8 @@ def fit_text(report: Report, size: str, width: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memsentry.tracker import Tracker  # torch is imported for this command only
+    from memsentry.record import OVERHEAD  # torch is imported for this command only
+    from memsentry.tracker import WATCH_OVERHEAD, Tracker
 
     problem = _check(args)
     if problem is not None:
@@ -121,10 +129,30 @@ def run(args: argparse.Namespace) -> int:
         return script
     try:
         tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore",
-                          snapshot=bool(args.snapshot), gather_timeout=args.gather_timeout)
+                          snapshot=bool(args.snapshot), gather_timeout=args.gather_timeout,
+                          alarm=_alarm, report_path=_live_path(args.json), watch=args.watch,
+                          overhead=WATCH_OVERHEAD if args.watch else OVERHEAD)
     except (MemsentryError, TypeError, ValueError) as exc:
         return fail("run", str(exc))
     return _Run(args, tracker)(script)
+
+
+def _alarm(text: str, leaks: tuple[Finding, ...]) -> None:
+    """A leak proven while the script runs: one line on stderr for each, at once."""
+    for line in text.splitlines()[1:]:
+        _say(f"memsentry run: LEAK {line.strip()}", sys.stderr)
+
+
+def _live_path(json_path: str | None) -> str | None:
+    """The file the tracker keeps the latest report in while the script runs: ``--json``'s,
+    or under torchrun each rank's own (``FILE.rankN.json``), as the end writes them."""
+    if json_path is None:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return json_path
+    return rank_file(json_path, rank) if world > 1 else json_path
 
 
 def _load(args: argparse.Namespace) -> Script | int:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from memsentry.integrations.session import TrainingSession, scalars
@@ -21,7 +22,8 @@ class LightningAdapter:
         super().__init__()
         self.session = TrainingSession(on_leak=on_leak, report_path=report_path,
                                        per_epoch=per_epoch, print_report=print_report,
-                                       options=track_options, who="MemsentryCallback")
+                                       options=track_options, who="MemsentryCallback",
+                                       say=logging.getLogger(type(self).__module__).warning)
 
     @property
     def report(self) -> Report | None:

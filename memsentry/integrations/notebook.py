@@ -43,6 +43,7 @@ from torch import nn
 
 from memsentry.cli.files import html_saved, reason, snapshot_saved
 from memsentry.errors import LeakWarning, MemsentryError
+from memsentry.model import Finding
 from memsentry.record.paths import unwritable
 from memsentry.report import Report
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
@@ -182,11 +183,17 @@ def _tracker(shell: InteractiveShell, args: Namespace) -> Tracker:
     """A tracker for ``args`` (not started yet), or a UsageError saying what is wrong."""
     model = _model(shell, args.model) if args.model else None
     try:
+        # A cell's leaks are shown with its report, then warned or raised of the cell
+        # (``--on-leak``): nothing is said in the middle of it.
         return Tracker(model, device=args.device, exact=args.exact, on_leak=args.on_leak,
-                       snapshot=bool(args.snapshot))
+                       alarm=_at_the_end, snapshot=bool(args.snapshot))
     except (MemsentryError, TypeError, ValueError) as error:
         raise UsageError(f"--device {args.device!r}: {error}" if args.device else str(error)
                          ) from None
+
+
+def _at_the_end(text: str, leaks: tuple[Finding, ...]) -> None:
+    """The mid-run alarm of a tracked cell: silent, the end of the cell says it."""
 
 
 def _cell_number(shell: InteractiveShell) -> int:

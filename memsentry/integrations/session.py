@@ -13,24 +13,25 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
+from memsentry.alarm import leak_text, warn_at_user_line
 from memsentry.errors import LeakError, LeakWarning, MemsentryError
-from memsentry.model import Severity, growth_per_iteration
+from memsentry.model import Finding, Severity, growth_per_iteration
 from memsentry.record import ON_LEAK, OnLeak
 from memsentry.record.paths import unwritable
 from memsentry.report import Report
 from memsentry.rules.series import WARMUP
-from memsentry.tracker import Tracker, leak_text
+from memsentry.tracker import Tracker
 from memsentry.usercode.frames import is_machinery_frame
 
 #: Keyword arguments of ``track()`` a callback passes on; the rest it sets itself.
 TRACK_OPTIONS = frozenset({"device", "exact", "saved_tensors", "backward", "max_iterations",
                            "holders", "holder_budget", "overhead", "gather_timeout",
-                           "snapshot", "snapshot_entries"})
+                           "snapshot", "snapshot_entries", "watch"})
 #: The scalars logged through the framework's loggers, by name.
 SCALARS = ("memsentry/peak_bytes", "memsentry/growth_bytes_per_iter", "memsentry/findings",
            "memsentry/leaks")
@@ -77,8 +78,10 @@ class TrainingSession:
     """A run tracked from a framework's start-of-training hook to its end-of-training hook."""
 
     def __init__(self, *, on_leak: object, report_path: object, per_epoch: object,
-                 print_report: object, options: dict[str, Any], who: str) -> None:
+                 print_report: object, options: dict[str, Any], who: str,
+                 say: Callable[[str], None] | None = None) -> None:
         self.who = who
+        self.say = say  # the framework's logger: a leak established while training runs
         if on_leak not in ON_LEAK:
             raise ValueError(f"{who}(on_leak={on_leak!r}): use one of "
                              f"{', '.join(map(repr, ON_LEAK))}")
@@ -121,8 +124,25 @@ class TrainingSession:
             return
         self.report = None
         self.epoch_reports = []
-        self.tracker = Tracker(model, on_leak="ignore", names=names, **self.options)
+        live = self.report_path if self.report_path is not None \
+            and self.report_path.lower().endswith(".json") else None
+        self.tracker = Tracker(model, on_leak="ignore", names=names, alarm=self._alarm,
+                               report_path=live, **self.options)
         self.tracker.start()
+
+    def _alarm(self, text: str, leaks: tuple[Finding, ...]) -> None:
+        """A leak established while training runs: said on the framework's logger (or as a
+        warning at the user's line); with ``on_leak="raise"``, raised in the training loop at
+        its next optimizer step, which ends ``fit``/``train`` with the report saved."""
+        if self.on_leak == "ignore":
+            return
+        if self.say is not None:
+            for line in text.splitlines()[1:]:
+                self.say(f"memsentry: LEAK {line.strip()}")
+        elif self.on_leak == "warn":
+            warn_at_user_line(text)
+        if self.on_leak == "raise":
+            raise LeakError(text, leaks)
 
     def census(self) -> None:
         """A census now (an epoch's end, after evaluation): a holder that grows only at epoch

@@ -84,7 +84,8 @@ class MemsentryCallback(TrainerCallback):
                  **track_options: Any) -> None:
         self.session = TrainingSession(on_leak=on_leak, report_path=report_path,
                                        per_epoch=per_epoch, print_report=print_report,
-                                       options=track_options, who="MemsentryCallback")
+                                       options=track_options, who="MemsentryCallback",
+                                       say=_LOG.warning)
         self._trainer: weakref.ref[Trainer] | None = None
 
     @property

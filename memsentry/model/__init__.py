@@ -6,6 +6,7 @@ read them, the reporters format them. Every value round-trips through a plain di
 """
 
 from memsentry.model.breakdown import CATEGORIES, Breakdown, Breakdowns
+from memsentry.model.cost import Cost, PartCost
 from memsentry.model.diff import (
     Breach,
     CategoryChange,
@@ -58,6 +59,7 @@ __all__ = [
     "CategoryChange",
     "Census",
     "Change",
+    "Cost",
     "Finding",
     "FindingPair",
     "FixKind",
@@ -80,6 +82,7 @@ __all__ = [
     "Mismatch",
     "OomFix",
     "OutOfMemory",
+    "PartCost",
     "PeakMode",
     "Phase",
     "ReportData",

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from memsentry.errors import ReportError
 from memsentry.model.breakdown import Breakdowns
 from memsentry.model.codec import build, found, to_plain
+from memsentry.model.cost import Cost
 from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
@@ -46,7 +47,7 @@ class ReportData:
     ``torch.distributed`` process group, ``rank``, ``world_size`` and ``host`` say whose run
     it is (``None`` outside one), and rank 0's report combines every rank's: ``ranks`` holds
     the per-rank reports in rank order (those that reported) and ``findings`` all of theirs,
-    each with its ``rank``.
+    each with its ``rank``. ``cost`` is what memsentry's own work took, part by part.
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -75,6 +76,7 @@ class ReportData:
     world_size: int | None = None
     host: str | None = None
     ranks: tuple[ReportData, ...] = ()
+    cost: Cost | None = None
 
     @property
     def breakdown(self) -> Breakdowns:

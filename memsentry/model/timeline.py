@@ -57,6 +57,9 @@ class IterationStats:
     gradients); ``batch`` is the first dimension of the first tensor given to the outermost
     module (``None`` when no tensor was given). ``parts`` is what memory held at the
     iteration's peak, by category (``None`` in reports written before breakdowns existed).
+    ``sampled`` is false for an iteration memsentry measured only at its closing boundary,
+    to keep its cost budget: its ``peak`` is then that boundary's reading, a lower bound, and
+    it has no ``parts``, ``reserved`` or ``batch``.
     """
 
     index: int
@@ -69,6 +72,7 @@ class IterationStats:
     data_seconds: float | None = None
     batch: int | None = None
     parts: Breakdown | None = None
+    sampled: bool = True
 
 
 def complete(iterations: Sequence[IterationStats], *, skip: int = 0) -> list[IterationStats]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from memsentry.record.budget import BACKWARD
 from memsentry.record.calls import BackwardCall, PassEnd
 from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRecord
@@ -82,7 +83,7 @@ class BackwardTimer:
             call.state, call.start, call.peak = BackwardCall.RUNNING, allocated, allocated
             self.running[id(call)] = call
             self._pass_end.arm()
-            self._coverage.count(started)
+            self._coverage.count(started, BACKWARD)
 
         return open_backward
 
@@ -95,7 +96,7 @@ class BackwardTimer:
                 self._sampler.parts.add_gradients(call.record.own_params)
             self._finish(call, self._sampler.sample())
             del self.running[id(call)]
-            self._coverage.count(started)
+            self._coverage.count(started, BACKWARD)
 
         return close_backward
 
@@ -111,7 +112,7 @@ class BackwardTimer:
         if self._sampler.parts.due:
             self._sampler.parts.read_gradients()
         allocated = self._sampler.sample()
-        self._coverage.count(started)
+        self._coverage.count(started, BACKWARD)
         for call in self.running.values():
             self._finish(call, allocated)
         self.running.clear()

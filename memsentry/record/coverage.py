@@ -20,16 +20,16 @@ from __future__ import annotations
 import math
 import time
 
+from memsentry.record.budget import DISPATCH, HOOKS, Budget
+
+__all__ = ["DISPATCH", "FLOOR", "FULL_FIRST", "OVERHEAD", "Coverage", "coverage_notes"]
 from memsentry.record.layers import LayerRegistry
 
 #: The share of the loop's own time memsentry may spend measuring layers, by default.
-OVERHEAD = 0.03
+OVERHEAD = 0.04
 #: Own time per iteration (seconds) that never makes the window shrink, whatever the share:
 #: a loop of small steps is measured in full.
 FLOOR = 2e-3
-#: What PyTorch adds to a module call for having hooks at all, even hooks that return at
-#: once (5.9 us for a pre and a post hook, measured on this project's CI machine).
-DISPATCH = 6e-6
 #: Iterations measured in full before the window may shrink.
 FULL_FIRST = 3
 
@@ -42,8 +42,9 @@ class Coverage:
     saw in ``calls``; :meth:`end_iteration` sets the next window from them.
     """
 
-    def __init__(self, overhead: float | None) -> None:
+    def __init__(self, overhead: float | None, budget: Budget | None = None) -> None:
         self.overhead = overhead
+        self.budget = budget if budget is not None else Budget(overhead)
         self.layers = 0  # layers known (numbered 0 .. layers - 1)
         self.size = math.inf  # layers measured per iteration
         self.offset = 0  # the first layer of the window
@@ -55,35 +56,52 @@ class Coverage:
 
     @property
     def full(self) -> bool:
-        return self.size >= self.layers
+        return self.size >= self.layers and not self.budget.light
+
+    @property
+    def light(self) -> bool:
+        """Whether the running iteration is light (:mod:`memsentry.record.budget`): no layer
+        it already knows is measured, only its boundaries."""
+        return self.budget.light
 
     def measures(self, index: int) -> bool:
         """Whether the call of layer ``index`` is measured in this iteration."""
-        if self.full or index >= self.layers:
+        if index >= self.layers:
             return True  # a layer first seen in this iteration is measured
-        return (index - self.offset) % self.layers < self.size
+        if self.budget.light:
+            return False
+        return self.size >= self.layers or (index - self.offset) % self.layers < self.size
 
     def window(self) -> set[int] | None:
         """The layers measured in this iteration (``None``: all)."""
-        if self.full:
+        if self.budget.light:
+            return set()
+        if self.size >= self.layers:
             return None
         return {(self.offset + k) % self.layers for k in range(int(self.size))}
 
-    def count(self, started: float) -> None:
+    def count(self, started: float, part: str = HOOKS) -> None:
         """A hook that began at ``started`` (``time.perf_counter()``) measured a call."""
-        self.own += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self.own += spent
+        self.budget.charge(part, spent, 0)
+
+    def aside(self, started: float) -> None:
+        """A hook that began at ``started`` only counted a call (nothing measured)."""
+        self.budget.charge(HOOKS, time.perf_counter() - started, 0)
 
     def end_iteration(self, index: int, seconds: float, layers: int) -> None:
         """Iteration ``index`` ended after ``seconds``; ``layers`` layers are known now.
         Sets the window of the next iteration: its size in proportion to the time left in
         the budget (at most doubling at once), its start moved past this iteration's."""
         own = self.own + DISPATCH * self.calls
+        self.budget.charge(HOOKS, DISPATCH * self.calls, self.calls)
         self.own, self.calls = 0.0, 0
-        was_full = self.full
+        was_full = self.size >= self.layers
         current = float(layers) if was_full else self.size
         self.layers = layers
-        if self.overhead is None or index + 1 < FULL_FIRST or layers == 0:
-            return
+        if self.overhead is None or index + 1 < FULL_FIRST or layers == 0 or self.budget.light:
+            return  # a light iteration measured nothing to judge the window by
         loop = max(seconds - own, 1e-9)
         allowed = max(self.overhead * loop, FLOOR)
         if was_full and own <= allowed:

@@ -12,27 +12,21 @@ from __future__ import annotations
 import sys
 import time
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
-from torch.utils.hooks import RemovableHandle
 
 from memsentry.measure import StorageBackend
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall, in_backward, stale_calls
 from memsentry.record.coverage import Coverage
 from memsentry.record.failure import FailureWatch
+from memsentry.record.hooks import ModuleHooks
 from memsentry.record.layers import (
     LayerRegistry,
     compiled_original,
-    fully_sharded,
     storage_bytes,
 )
 from memsentry.record.parts import Parts
@@ -111,10 +105,6 @@ class ForwardRecorder:
         self._parts = parts
         self.failures = FailureWatch()
         self.coverage = coverage
-        self.anchors: set[int] = set()  # layers called outermost: always hooked
-        self._module_hooks: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
-        self._unhooked: set[int] = set()  # layers of the model whose hooks the window took
-        self._window: set[int] | None = None  # the window the hooks follow (None: all)
         self.stack = stack
         self._registry = registry
         self._sampler = sampler
@@ -130,80 +120,16 @@ class ForwardRecorder:
         # region that disables them, the call is measured without them.
         self.saved = SavedTensors(sampler=sampler, stack=stack, parts=parts, registry=registry,
                                   coverage=coverage)
-        # TorchScript modules of the tracked model: they take no module hooks, so global
-        # hooks let their calls (and only theirs) through.
-        self.scripted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.hooks = ModuleHooks(coverage, registry, self.pre_forward, self.post_forward,
+                                 self.scripted_pre, self.scripted_post)
         self.script_names: set[str] = set()
 
-    def hook_model(self, model: nn.Module) -> list[RemovableHandle]:
-        """Forward hooks on every module of ``model``; its TorchScript modules, which take no
-        module hooks, get global hooks that let only their calls through. The module hooks
-        are kept apart (:meth:`module_handles`): :meth:`follow_window` moves them."""
-        handles = []
-        for module in model.modules():
-            if isinstance(module, torch.jit.ScriptModule):
-                self.scripted.add(module)
-                continue
-            self._hook(module)
-        if len(self.scripted):
-            handles.append(register_module_forward_pre_hook(self.scripted_pre))
-            handles.append(register_module_forward_hook(self.scripted_post, always_call=True))
-        return handles
-
-    def _hook(self, module: nn.Module) -> None:
-        # Before FSDP2's pre-hook, as global hooks are: the all-gather is the unit's memory.
-        self._module_hooks[id(module)] = (
-            module.register_forward_pre_hook(self.pre_forward, prepend=fully_sharded(module)),
-            module.register_forward_hook(self.post_forward, always_call=True),
-        )
-
-    def module_handles(self) -> list[RemovableHandle]:
-        """The hooks on the model's modules now."""
-        return [handle for pair in self._module_hooks.values() for handle in pair]
-
-    def unhook_modules(self) -> None:
-        for pre, post in self._module_hooks.values():
-            pre.remove()
-            post.remove()
-        self._module_hooks.clear()
-
-    def follow_window(self) -> None:
-        """After the window moved: the model's modules outside it lose their hooks (a module
-        with no hook costs the loop nothing), those inside it get theirs back. Modules called
-        outermost keep theirs: they mark iterations. A module never called keeps its hooks.
-        Only the modules whose side of the window changed are visited."""
-        window = self.coverage.window()
-        if window is None and self._window is None:
-            return
-        if window is None:
-            changed = set(self._unhooked)
-        elif self._window is None:
-            changed = set(range(self.coverage.layers))
-        else:
-            changed = window ^ self._window
-        self._window = window
-        modules = self._registry.by_index() if changed else {}
-        for index in changed:
-            module = modules.get(index)
-            if module is None or index in self.anchors:
-                continue
-            hooked = id(module) in self._module_hooks
-            if window is None or index in window:
-                if not hooked and index in self._unhooked:
-                    self._unhooked.discard(index)
-                    self._hook(module)
-            elif hooked:
-                pre, post = self._module_hooks.pop(id(module))
-                pre.remove()
-                post.remove()
-                self._unhooked.add(index)
-
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
-        if module in self.scripted and not torch.compiler.is_compiling():
+        if module in self.hooks.scripted and not torch.compiler.is_compiling():
             self._enter(module, args, sys._getframe(1))
 
     def scripted_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module in self.scripted:
+        if module in self.hooks.scripted:
             self.post_forward(module, args, output)
 
     def compiled_notes(self) -> list[str]:
@@ -243,6 +169,7 @@ class ForwardRecorder:
         """A module call begins; ``frame`` runs it (``Module._call_impl``)."""
         if self._aside(module):
             return
+        started = time.perf_counter()
         if self._sampler.backend is None:
             self._start_backend(module, args)
         stack = self.stack
@@ -250,22 +177,26 @@ class ForwardRecorder:
             self._drop_stale(frame)
         parent = stack[-1].record if stack else None
         if parent is None:
-            self._iteration_start(module)
+            self._iteration_start(module)  # its census, if any, is clocked apart
+            started = time.perf_counter()
         record = self._registry.record_for(module, parent)
         coverage = self.coverage
         coverage.calls += 1
         measured = coverage.measures(record.index)
-        if not measured and parent is not None:  # counted only; nothing goes on the stack
-            record.calls += 1
-            self._clock.calls += 1
+        if not measured and (parent is not None or coverage.light):
+            self._clock.module_called(args, outermost=parent is None)
+            if parent is None:  # on the stack, so that the calls inside it know their parent
+                stack.append(ForwardCall(record, 0, 0, measured=False, frame=id(frame)))
+            else:  # counted only; nothing goes on the stack
+                record.calls += 1
+            coverage.aside(started)
             return
-        started = time.perf_counter()
         if compiled_original(module) is not None:
             self.compiled.add(record.name)
         elif isinstance(module, torch.jit.ScriptModule):
             self.script_names.add(record.name)
         if parent is None:
-            self.anchors.add(record.index)
+            self.hooks.anchors.add(record.index)
         else:
             parent.is_leaf = False
         pushed = measured and self._saved and self.saved.push(record.name)
@@ -279,6 +210,8 @@ class ForwardRecorder:
             call.backward = self._backward.watch_inputs(record, args)
         if measured:
             coverage.count(started)
+        else:
+            coverage.aside(started)
 
     def settle_stack(self) -> None:
         """Outside any forward (a backward pass ended): no call of the stack may be stale."""
@@ -308,7 +241,20 @@ class ForwardRecorder:
         call = stack.pop()
         while call.record is not record and stack:  # a child whose post hook never ran
             call = stack.pop()
-        measured = call.measured
+        if not call.measured and not stack and self.coverage.light:  # its boundaries count
+            record.calls += 1
+            self.coverage.aside(started)
+            return
+        self._ended(module, call, allocated, output)
+        if call.measured:
+            self.coverage.count(started)
+        else:
+            self.coverage.aside(started)
+
+    def _ended(self, module: nn.Module, call: ForwardCall, allocated: int, output: Any) -> None:
+        """Fold a call that left the stack into its layer, its parent and the watches of its
+        graph (``allocated``: memory read as it ended)."""
+        stack, record, measured = self.stack, call.record, call.measured
         outputs = tensors_in(output)
         if measured:
             record.add_forward(
@@ -328,5 +274,3 @@ class ForwardRecorder:
             self._backward.watch_outputs(call.backward, outputs)
         if call.pushed or not stack:
             self.saved.pop()
-        if measured:
-            self.coverage.count(started)

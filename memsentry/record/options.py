@@ -35,6 +35,7 @@ class Options:
     snapshot: bool = False
     snapshot_path: str | None = None
     snapshot_entries: int = SNAPSHOT_ENTRIES
+    watch: bool = False
 
     @classmethod
     def checked(cls, *, device: torch.device | str | int | None, exact: object,
@@ -42,11 +43,11 @@ class Options:
                 on_leak: object, holders: object, holder_budget: object,
                 overhead: object = OVERHEAD, gather_timeout: object = 60.0,
                 snapshot: object = False,
-                snapshot_entries: object = SNAPSHOT_ENTRIES) -> Options:
+                snapshot_entries: object = SNAPSHOT_ENTRIES, watch: object = False) -> Options:
         """Options from ``track()``'s arguments; a bad one raises an error naming it and what
         it accepts."""
         flags = {"exact": exact, "saved_tensors": saved_tensors, "backward": backward,
-                 "holders": holders}
+                 "holders": holders, "watch": watch}
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"track({name}=...) takes True or False, got {flag!r}")
@@ -65,9 +66,9 @@ class Options:
                                      or not isinstance(overhead, int | float)
                                      or not 0 < overhead <= 10):
             raise ValueError(
-                "track(overhead=...) is the share of the loop's time memsentry may spend "
-                "measuring layers, a number above 0 (default 0.03, i.e. 3%), or None to measure "
-                f"every call whatever it costs; got {overhead!r}"
+                "track(overhead=...) is the share of the loop's time memsentry may spend, a "
+                "number above 0 (default 0.04, i.e. 4%; watch() 0.01), or None to measure "
+                f"everything whatever it costs; got {overhead!r}"
             )
         if isinstance(gather_timeout, bool) or not isinstance(gather_timeout, int | float) \
                 or not gather_timeout > 0:
@@ -95,6 +96,7 @@ class Options:
             overhead=None if overhead is None else float(overhead),
             gather_timeout=float(gather_timeout),
             snapshot=snapshot is not False, snapshot_path=path, snapshot_entries=snapshot_entries,
+            watch=bool(watch),
         )
 
 

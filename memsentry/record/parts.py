@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from memsentry.model import Breakdown
+from memsentry.record.budget import PARTS
 from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRecord, storage_bytes
 
@@ -148,7 +149,7 @@ class Parts:
                 self.read_gradients()
             else:  # no parameters known yet (global hooks before the first call): all of it
                 self.read_all()
-            coverage.count(started)
+            coverage.count(started, PARTS)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.autograd
 
-from memsentry.record.backward import tensors_in
 from memsentry.record.calls import in_backward
 
 #: The trackers listening now, and torch's function with the wrapper put in its place (one
@@ -34,10 +33,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         nested = in_backward()  # reentrant checkpointing's backward inside the pass
         result = original(tensors, *args, **kwargs)
         if _listeners and not nested and not torch.compiler.is_compiling():
-            started = tensors_in(tensors)
             for listener in list(_listeners):
                 try:
-                    listener.ended(started)
+                    listener.ended(tensors)
                 except Exception:  # measuring never breaks the user's backward
                     pass
         return result
@@ -47,9 +45,10 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 class PlainPasses:
     """Calls ``ended(tensors)`` after each ``torch.autograd.backward`` that returned, while
-    installed; ``tensors`` are those the pass started from."""
+    installed; ``tensors`` are what the pass started from, as given to it (a tensor or a
+    sequence of them)."""
 
-    def __init__(self, ended: Callable[[list[torch.Tensor]], None]) -> None:
+    def __init__(self, ended: Callable[[Any], None]) -> None:
         self.ended = ended
 
     def install(self) -> None:

@@ -133,9 +133,11 @@ def begin_block() -> None:
 def remember_store() -> None:
     """Note the process group's store, and say this rank tracks the block, if there is a
     process group now (cheap: called every iteration)."""
-    if not HANDOFF.announced:
-        HANDOFF.current()
-        HANDOFF.announce()
+    if not HANDOFF.announced and HANDOFF.block is not None:
+        dist = _dist()
+        if dist is not None and dist.is_initialized():  # the store exists only then
+            HANDOFF.current()
+            HANDOFF.announce()
 
 
 def hurry(seconds: float) -> None:

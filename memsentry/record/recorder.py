@@ -11,16 +11,12 @@ import sys
 import time
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.optim import optimizer as optimizer_module
 
 from memsentry.measure import (
@@ -32,18 +28,20 @@ from memsentry.measure import (
 )
 from memsentry.model import Boundary, OutOfMemory, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
+from memsentry.record.boundary import Boundaries
+from memsentry.record.budget import Budget, budget_notes
 from memsentry.record.calls import BackwardCall, ForwardCall
 from memsentry.record.coverage import Coverage, coverage_notes
 from memsentry.record.failure import explain
 from memsentry.record.forward import ForwardRecorder
+from memsentry.record.growth import GrowthEvidence
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
 from memsentry.record.parts import Parts
 from memsentry.record.passes import PlainPasses
-from memsentry.record.ranks import remember_store
 from memsentry.record.roots import RootCalls
-from memsentry.record.sampler import Sampler, breakdown
-from memsentry.record.schedule import CensusSchedule, census_due
+from memsentry.record.sampler import Sampler
+from memsentry.record.schedule import CensusSchedule
 from memsentry.record.signals import Action, Signals
 from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_hook_ids
 from memsentry.record.timeline import IterationClock, Timeline
@@ -77,7 +75,7 @@ def nothing_measured(device: torch.device | None) -> ReportData:
 _STEP_WRAPPER = optimizer_module.__file__
 
 
-def nested_step(optimizer: torch.optim.Optimizer, frames: int = 40) -> bool:
+def nested_step(optimizer: torch.optim.Optimizer, frames: int = 12) -> bool:
     """Whether this step of ``optimizer`` runs inside another step of it: a subclass whose
     ``step`` calls ``super().step()`` runs PyTorch's step hooks once for each (one step)."""
     frame: types.FrameType | None = sys._getframe(2)
@@ -113,22 +111,37 @@ class Recorder:
         self._parts = Parts(model)
         self._owner = Owner(adoptable=model is not None)
         self._sampler = Sampler(self._stack, running, self._parts)
-        self._coverage = Coverage(options.overhead)
+        self._budget = Budget(options.overhead)
+        self._coverage = Coverage(options.overhead, self._budget)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
         self._roots = RootCalls(self._clock, self._backward_ended)
         self._plain = PlainPasses(self._plain_backward)
         self._signals = Signals()
         self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget,
-                                        self._owner)
+                                        self._owner, self._budget)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
             stack=self._stack, backward=self._backward, roots=self._roots,
             saved=options.saved_tensors, coverage=self._coverage, parts=self._parts,
             start_backend=self._start_lazily, iteration_start=self._outermost_call,
             owner=self._owner)
-        self._handles: list[Any] = []
-        self._overall_peak, self.active = 0, False
+        self._boundaries = Boundaries(
+            sampler=self._sampler, parts=self._parts, coverage=self._coverage,
+            budget=self._budget, clock=self._clock, timeline=self._timeline,
+            censuses=self._censuses, backward=self._backward, roots=self._roots,
+            forward=self._forward, registry=self._registry, holders=options.holders,
+            census_roots=self._census_roots, signals=self._signals)
+        if options.watch:
+            self._boundaries.growth = GrowthEvidence()
+        self.active = False
+        # Called after each census with "census", after each closed iteration with
+        # "boundary" (the tracker's alarm); an error to raise in the loop at the next
+        # boundary (an optimizer step, t.step(), an outermost forward's start).
+        self.listener: Callable[[str], None] | None = None
+        self.raise_at_boundary: BaseException | None = None
+        self._censuses.on_taken = self._census_taken
+        self.aside = self._boundaries.aside  # the alarm's work at a boundary, not the loop's
         self._final: tuple[int, int | None, Counters] | None = None
         self._oom: OutOfMemory | None = None
 
@@ -136,6 +149,7 @@ class Recorder:
     def start(self) -> None:
         """Install the hooks; on failure, remove what was installed and raise."""
         self._owner.claim()
+        self._budget.open()
         self._set_active(True)
         self._clock.started = time.perf_counter()
         try:
@@ -153,10 +167,9 @@ class Recorder:
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             self._registry.name_tree(model)
-            self._handles += forward.hook_model(model)
+            forward.hooks.hook_model(model)
         else:
-            self._handles += [register_module_forward_pre_hook(forward.pre_forward),
-                              register_module_forward_hook(forward.post_forward, always_call=True)]
+            forward.hooks.hook_global()
         listen_to_steps(self._optimizer_stepped)
         self._plain.install()
 
@@ -165,9 +178,10 @@ class Recorder:
         if not self.active:
             return
         try:
+            self._boundaries.finish()
             if self._sampler.backend is not None and (self._clock.calls
                                                       or not self._timeline.items):
-                self._close_iteration(Boundary.EXIT)
+                self._boundaries.close(Boundary.EXIT)
             # A census still pending would see the loop after it ended (its functions
             # returned, their locals gone): it is not taken.
             self._censuses.pending = None
@@ -180,12 +194,9 @@ class Recorder:
                 part.active = active
 
     def _teardown(self) -> None:
-        for handle in self._handles:
-            handle.remove()
         forget_steps(self._optimizer_stepped)
         self._plain.remove()
-        self._handles.clear()
-        self._forward.unhook_modules()
+        self._forward.hooks.remove_all()
         self._censuses.unwatch_collections()
         self._roots.settle(everything=True)
         self._forward.saved.pop()
@@ -195,6 +206,7 @@ class Recorder:
                 self._final = (backend.allocated(), backend.reserved(), read_counters(backend))
             backend.stop()
         self._set_active(False)
+        self._budget.close()
         self._stack.clear()
         if self._backward is not None:
             self._backward.close()
@@ -207,7 +219,7 @@ class Recorder:
         self._parts.read_all()
         self._sampler.start(make_backend(device, exact=self.options.exact))
         self._sampler.at_peak = self._sampler.moment()
-        self._overall_peak = self._sampler.baseline
+        self._boundaries.overall_peak = self._sampler.baseline
 
     def _start_lazily(self, module: nn.Module, args: Any) -> None:
         """Tracking without a device on a CUDA machine: pick the device at the first module
@@ -226,7 +238,7 @@ class Recorder:
         if self.active:
             self._signal(Boundary.BACKWARD)
 
-    def _plain_backward(self, tensors: list[torch.Tensor]) -> None:
+    def _plain_backward(self, tensors: Any) -> None:
         """A backward pass ended: stale calls leave the stack; without modules, an iteration."""
         if not self.active or not self._owner.mine():
             return
@@ -246,6 +258,18 @@ class Recorder:
                           first=not self._clock.calls)  # the first: after zero_grad()
         if self._censuses.pending is not None:
             self._clock.started += self._censuses.take_pending(**self._census_roots())
+        self._raise_pending()
+
+    def _census_taken(self) -> None:
+        if self.listener is not None:
+            self.listener("census")
+
+    def _raise_pending(self) -> None:
+        """Raise the error the alarm left for this boundary (``on_leak="raise"``)."""
+        error = self.raise_at_boundary
+        if error is not None and self._owner.mine():
+            self.raise_at_boundary = None
+            raise error
 
     def census(self) -> None:
         """A census now, as of the last boundary; its time is not the iteration's."""
@@ -262,51 +286,19 @@ class Recorder:
     def _signal(self, event: Boundary) -> None:
         if self._sampler.backend is None:
             return
-        action = self._signals.decide(event, calls_since=self._clock.calls)
-        if action is not Action.IGNORE:
-            self._close_iteration(event, merge=action is Action.MERGE)
-
-    def _close_iteration(self, boundary: Boundary, *, merge: bool = False) -> None:
-        """Close the running iteration; with ``merge``, together with the iterations weaker
-        signals closed just before (they were parts of this one)."""
-        sampler = self._sampler
-        assert sampler.backend is not None
-        now = time.perf_counter()
-        if self._parts.due:
-            self._parts.read_all()  # the step may have made optimizer state
-            self._coverage.count(now)
-        allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
-        closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
-                                    sampler.peak, now,
-                                    parts=breakdown(sampler, self._clock.index))
-        merged = self._timeline.close(closing, merge=merge)
-        if merged is not None:
-            self._clock.index = merged
-            self._censuses.forget_since(merged)
-        self._overall_peak = max(self._overall_peak, sampler.peak)
-        if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
-            if self._backward is not None:
-                self._backward.drop_hooks()
-            self._roots.settle()
-        if self._censuses.pending is not None:  # no module ran since the last boundary
-            self._censuses.take_pending(**self._census_roots())
-            now = time.perf_counter()  # the census's own time is not the loop's
-            allocated = sampler.sample()
-        if self.options.holders and boundary != Boundary.EXIT \
-                and census_due(self._clock.index):
-            self._censuses.pending = self._clock.index
-        remember_store()  # a script may destroy its process group before the block ends
-        self._coverage.end_iteration(self._clock.index, closing.seconds,
-                                     len(self._registry.records))
-        self._forward.follow_window()
-        self._clock.advance(now)
-        sampler.peak = allocated
-        sampler.at_peak = sampler.moment()
+        if not self._boundaries.passes(event, self._signals.signal):
+            action = self._signals.decide(event, calls_since=self._clock.calls)
+            if action is not Action.IGNORE:
+                self._boundaries.close(event, merge=action is Action.MERGE)
+                if self.listener is not None:
+                    self.listener("boundary")
+        if event in (Boundary.OPTIMIZER, Boundary.STEP):
+            self._raise_pending()
 
     def _census_roots(self) -> dict[str, Any]:
         """What a census needs from the recorder: the model, memsentry's hooks, itself."""
         model = self._model_ref() if self._model_ref is not None else None
-        handles = [*self._handles, *self._forward.module_handles()]
+        handles = self._forward.hooks.handles()
         own = {handle.id for handle in handles if hasattr(handle, "id")} | step_hook_ids()
         named = [(name, obj, role) for name, ref, role in self._named
                  if (obj := ref()) is not None]
@@ -329,17 +321,19 @@ class Recorder:
             reserved, counters = backend.reserved(), read_counters(backend)
         else:  # read at the end of recording
             allocated, reserved, counters = self._final
+        cost = self._budget.cost()
         notes = (*backend.notes, *self._sampler.notes, *self._censuses.errors,
                  *filter(None, [self._signals.note()]), *coverage_notes(self._coverage,
-                 self._registry), *self._censuses.budget_notes(), *self._forward.compiled_notes())
+                 self._registry), *budget_notes(cost), *self._censuses.budget_notes(),
+                 *self._forward.compiled_notes())
         return ReportData(
             device=str(backend.device), backend=backend.name, baseline=self._sampler.baseline,
             layers=self._registry.freeze(), iterations=tuple(self._timeline.items),
-            peak=max(self._overall_peak, self._sampler.peak), allocated=allocated,
+            peak=max(self._boundaries.overall_peak, self._sampler.peak), allocated=allocated,
             reserved=reserved, total_memory=backend.total_memory(),
             peak_mode=backend.peak_mode, measured=backend.measured, notes=notes,
             dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
             allocator_stats=counters[0], nvml=counters[1],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
-            oom=self._oom,
+            oom=self._oom, cost=cost,
         )

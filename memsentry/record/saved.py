@@ -26,6 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memsentry.measure.storage import storage_of
+from memsentry.record.budget import SAVED
 from memsentry.record.calls import ForwardCall
 from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRegistry
@@ -243,5 +244,5 @@ class SavedTensors:
                          self._registry.static_storages)
             if call.measured and self._sampler.in_ops:
                 self._sampler.sample_at_pack()
-            self._coverage.count(started)
+            self._coverage.count(started, SAVED)
         return packed

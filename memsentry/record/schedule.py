@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -16,12 +16,15 @@ from torch import nn
 from memsentry.census import garbage_census, take_census
 from memsentry.census.take import GRAPH_SHARE, Named
 from memsentry.model import Census
+from memsentry.record.budget import ANALYSIS, CENSUS_GUESS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
 
 #: The first census comes after the warm-up iterations the rules leave out.
 FIRST_CENSUS = 2
+#: Censuses taken when due whatever the cost budget says (those of iterations 2, 3 and 4).
+ALWAYS_TAKEN = 3
 
 
 def census_due(index: int) -> bool:
@@ -39,12 +42,16 @@ class CensusSchedule:
     (``sampler.own``)."""
 
     def __init__(self, sampler: Sampler, registry: LayerRegistry, budget: float,
-                 owner: Owner | None = None) -> None:
+                 owner: Owner | None = None, ledger: Budget | None = None) -> None:
         self.active = False
         self._owner = owner
         self.censuses: list[Census] = []
         self.errors: list[str] = []
-        self.budget = budget
+        self.budget = budget  # the seconds one census may take
+        self.ledger = ledger if ledger is not None else Budget(None)
+        self.wanted = False  # a census is due and waits for the ledger to afford it
+        self.last_cost = CENSUS_GUESS  # what the last census took (seconds)
+        self.on_taken: Callable[[], None] | None = None  # called after each census
         self._sampler = sampler
         self._registry = registry
         self._cycles_seen = False  # then every census collects all generations
@@ -118,6 +125,23 @@ class CensusSchedule:
         self.censuses.append(census)
         self._sampler.own += backend.allocated() - before
 
+    def plan(self, index: int, *, due: bool) -> None:
+        """At the boundary that closed iteration ``index``: a census is wanted when ``due``
+        (the schedule, or growth asking for one); it is taken as the next iteration begins
+        when the ledger can pay what the last one cost, else at a later boundary that can."""
+        if due and not self.wanted:
+            self.wanted = True
+            if not self._affordable():
+                self.ledger.deferred += 1
+        if self.wanted and self.pending is None and self._affordable():
+            self.pending, self.wanted = index, False
+
+    def _affordable(self) -> bool:
+        """The first :data:`ALWAYS_TAKEN` censuses are taken when due whatever the budget
+        (three points decide a trend: a leak is named within five iterations); later ones
+        when the budget can pay what the last one cost."""
+        return len(self.censuses) < ALWAYS_TAKEN or self.ledger.afford(self.last_cost)
+
     def take_pending(self, *, model: nn.Module | None, own_hooks: set[int],
                      skip: set[int], named: Sequence[Named] = ()) -> float:
         """Take the census due at the last boundary now; returns the seconds it took."""
@@ -126,7 +150,16 @@ class CensusSchedule:
             return 0.0
         started = time.perf_counter()
         self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named)
-        return time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self.last_cost = spent
+        self.ledger.charge(CENSUSES, spent, inside=False)  # moved out of the iteration's time
+        if self.on_taken is not None:  # the rules judge what the census found (the alarm)
+            began = time.perf_counter()
+            self.on_taken()
+            judged = time.perf_counter() - began
+            self.ledger.charge(ANALYSIS, judged, inside=False)
+            spent += judged
+        return spent
 
     def take_now(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
                  skip: set[int], named: Sequence[Named] = ()) -> float:
@@ -149,6 +182,7 @@ class CensusSchedule:
         merged into one: they are dropped, as is a pending one."""
         self.censuses = [c for c in self.censuses if c.iteration < iteration]
         self.pending = None
+        self.wanted = False
 
     def budget_notes(self) -> list[str]:
         """Searches that stopped at their budget."""

@@ -64,6 +64,7 @@ class Timeline:
     items: list[IterationStats] = field(default_factory=list)
     stride: int = 1
     dropped: int = 0
+    merged: int = 0  # iterations the last close merged into the one it closed
 
     def add(self, item: IterationStats) -> None:
         if item.index % self.stride and item.boundary != Boundary.EXIT:  # the end is kept
@@ -86,6 +87,7 @@ class Timeline:
                 if not Signals.weaker(item.boundary, than=closing.boundary):
                     break
                 parts.insert(0, item)
+        self.merged = len(parts)
         if not parts:
             self.add(closing)
             return None

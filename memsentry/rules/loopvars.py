@@ -40,7 +40,7 @@ def loop_variables(report: ReportData) -> list[Finding]:
     kept = [last[name] for name in last
             if name in before and last[name].bytes > last[name].shared_bytes]
     size = sum(h.bytes - h.shared_bytes for h in kept)
-    its = after_warmup(report)
+    its = [it for it in after_warmup(report) if it.sampled]  # peaks read inside iterations
     rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]
     rise = statistics.median(rises) if rises else 0
     if size < MIN_BYTES or size < MIN_SHARE * rise:

@@ -1,0 +1,190 @@
+"""The alarm while the run lives: a leak is said as soon as the census that proves it is taken,
+and the report file is kept current, so that a run killed after ten hours leaves its latest
+report.
+
+After each census the rules run on the recording so far. A LEAK finding not said before is
+said at once, in the loop's thread:
+
+- to the ``alarm`` callback, when one is given (``memsentry run`` writes one line on stderr,
+  the framework callbacks their logger); an error it raises is raised in the loop at the
+  next iteration boundary (an optimizer step, ``t.step()``, the next forward), and
+  ``on_leak`` is left to the end;
+- otherwise, with ``on_leak="warn"``, as a :class:`~memsentry.LeakWarning` at the user's line
+  that runs the loop (the end's warning then names only leaks found later);
+- with ``on_leak="raise"``, as a :class:`~memsentry.LeakError` raised in the loop at the next
+  iteration boundary (the end does not raise it again).
+
+The report file (``report_path``) is written whole to a temporary file beside it and moved in
+place (:func:`os.replace`), at every new finding and every :data:`REWRITE_SECONDS`, so a
+reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from memsentry.errors import LeakError, LeakWarning
+from memsentry.model import Finding, ReportData, Severity
+from memsentry.usercode.frames import is_machinery_frame
+from memsentry.usercode.text import printable
+
+if TYPE_CHECKING:
+    from memsentry.record import Recorder
+    from memsentry.record.options import OnLeak
+    from memsentry.report import Report
+
+#: Seconds between two rewrites of the report file while the run lives.
+REWRITE_SECONDS = 120.0
+
+Alarm = Callable[[str, tuple[Finding, ...]], None]
+
+
+def leak_text(report: ReportData, leaks: tuple[Finding, ...] | None = None
+              ) -> tuple[str, tuple[Finding, ...]] | None:
+    """The message of a :class:`~memsentry.LeakWarning` or :class:`~memsentry.LeakError`
+    about ``leaks`` (by default ``report``'s), and the leaks; ``None`` when there is none."""
+    if leaks is None:
+        leaks = tuple(f for f in report.findings if f.severity is Severity.LEAK)
+    if not leaks:
+        return None
+    lines = [f"memsentry found {len(leaks)} leak(s):"]
+    # Written to a terminal: control characters of the program's names as visible escapes.
+    lines += [f"  {'' if f.rank is None else f'rank {f.rank}: '}{f.rule}: "
+              f"{printable(f.message)}. Fix: {printable(f.fix)}" for f in leaks]
+    return "\n".join(lines), leaks
+
+
+def finding_key(finding: Finding) -> tuple[str, str]:
+    """What makes a finding the same one later in the run (its figures change as it grows)."""
+    subject = finding.subject
+    return finding.rule, "" if subject is None else repr(subject)
+
+
+def warn_at_user_line(text: str) -> None:
+    """A :class:`~memsentry.LeakWarning` located at the innermost line of the user's code."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(LeakWarning(text), stacklevel=2)
+        return
+    warnings.warn_explicit(LeakWarning(text), LeakWarning, frame.f_code.co_filename,
+                           frame.f_lineno or 0, module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _user_frame() -> types.FrameType | None:
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    return frame
+
+
+def write_atomically(report: Report, path: str) -> None:
+    """``report`` as JSON to ``path``, through a temporary file moved in place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".memsentry-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(report.to_json())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+class LiveAlarm:
+    """The findings said while the run lives, and the report file kept current."""
+
+    def __init__(self, on_leak: OnLeak, alarm: Alarm | None, report_path: str | None) -> None:
+        self.on_leak = on_leak
+        self.alarm = alarm
+        self.report_path = report_path
+        self.said: set[tuple[str, str]] = set()
+        self.errors: list[str] = []  # why the report file could not be written
+        self._written = time.monotonic()
+        self._raised: BaseException | None = None  # the error left for a boundary
+        self.warned: set[tuple[str, str]] = set()  # leaks the mid-run warning said
+
+    @property
+    def raised_leak(self) -> bool:
+        """Whether a LeakError was left for the loop (``on_leak="raise"``): the end does not
+        raise it again."""
+        return isinstance(self._raised, LeakError)
+
+    @property
+    def listening(self) -> bool:
+        """Whether anything happens at a census (else the rules need not run)."""
+        return (self.alarm is not None or self.on_leak != "ignore"
+                or self.report_path is not None)
+
+    def census_taken(self, report: Report) -> BaseException | None:
+        """A census was taken and ``report`` judged what was recorded so far: say the new
+        leaks; returns the error to raise at the next boundary, if any."""
+        new = tuple(f for f in report.findings if f.severity is Severity.LEAK
+                    and finding_key(f) not in self.said)
+        if new or self.rewrite_due():
+            self.save(report)
+        if not new:
+            return None
+        self.said.update(finding_key(f) for f in new)
+        found = leak_text(report, new)
+        assert found is not None
+        text = found[0]
+        try:
+            if self.alarm is not None:  # it decides; on_leak is for the end
+                self.alarm(text, new)
+            elif self.on_leak == "warn":
+                self.warned.update(finding_key(f) for f in new)
+                warn_at_user_line(text)
+            elif self.on_leak == "raise":
+                self._raised = LeakError(text, new)
+        except BaseException as error:  # the callback's (or an error filter's): the loop's
+            self._raised = error
+        return self._raised
+
+    def listener(self, build: Callable[[], Report], recorder: Recorder) -> Callable[[str], None]:
+        """What the recorder calls after a census (``"census"``) and after each closed
+        iteration (``"boundary"``): the rules judge the recording so far (``build()``), the
+        alarm says what is new, and the report file is kept current."""
+
+        def heard(event: str) -> None:
+            if event != "census" and not self.rewrite_due():
+                return
+            started = time.perf_counter()
+            try:
+                report = build()
+            except Exception:  # judging never breaks the user's loop; the end says it all
+                return
+            if event == "census":
+                recorder.raise_at_boundary = self.census_taken(report)
+            else:
+                self.save(report)
+                recorder.aside(started)
+
+        return heard
+
+    def rewrite_due(self) -> bool:
+        return self.report_path is not None \
+            and time.monotonic() - self._written >= REWRITE_SECONDS
+
+    def save(self, report: Report) -> None:
+        """Rewrite the report file (when there is one); a failure is noted, never raised."""
+        if self.report_path is None:
+            return
+        self._written = time.monotonic()
+        try:
+            write_atomically(report, self.report_path)
+        except OSError as error:
+            note = (f"The report could not be written to {self.report_path!r} while the run "
+                    f"went on ({error.strerror or error}).")
+            if note not in self.errors:
+                self.errors.append(note)

@@ -1,0 +1,223 @@
+"""Closing iterations: what happens at each boundary (an optimizer step, ``t.step()``, the end
+of a backward pass, the next call of the first outermost module).
+
+A *sampled* iteration closes in full: the four parts are read, the iteration's record gets
+its peak and its breakdown, and a census due is planned. A *light* one (the budget could not
+pay for measuring it, :mod:`memsentry.record.budget`) closes with as little as keeps the
+iteration count, the censuses and the growth series right: its boundary is read once in a
+while (often enough for the growth rules, within the budget), and the layers' hooks stay off.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from memsentry.model import Boundary, IterationStats
+from memsentry.record.backward import BackwardTimer
+from memsentry.record.budget import ANALYSIS, BOUNDARIES, PARTS, Budget
+from memsentry.record.coverage import Coverage
+from memsentry.record.forward import ForwardRecorder
+from memsentry.record.growth import GrowthEvidence
+from memsentry.record.layers import LayerRegistry
+from memsentry.record.parts import Parts
+from memsentry.record.ranks import remember_store
+from memsentry.record.roots import RootCalls
+from memsentry.record.sampler import Sampler, breakdown
+from memsentry.record.schedule import FIRST_CENSUS, CensusSchedule, census_due
+from memsentry.record.signals import Signals
+from memsentry.record.timeline import IterationClock, Timeline
+
+#: The share of the budget that reading light iterations' boundaries may take.
+READ_SHARE = 0.5
+#: Boundaries passed with a count only, in a row, at most.
+MAX_PASSED = 256
+
+
+def next_census(index: int) -> int:
+    """The first iteration after ``index`` whose boundary the schedule has a census for."""
+    following = index + 1
+    while not census_due(following):
+        gap = following - FIRST_CENSUS
+        following = FIRST_CENSUS + (1 << gap.bit_length()) if gap >= 4 else following + 1
+    return following
+
+
+class Boundaries:
+    """Closes the iterations of one recorder. ``census_roots()`` gives what a census needs
+    from the recorder (the model, memsentry's own hooks, the objects to skip); ``signals``
+    which event ends its iterations."""
+
+    def __init__(self, *, sampler: Sampler, parts: Parts, coverage: Coverage, budget: Budget,
+                 clock: IterationClock, timeline: Timeline, censuses: CensusSchedule,
+                 backward: BackwardTimer | None, roots: RootCalls, forward: ForwardRecorder,
+                 registry: LayerRegistry, holders: bool,
+                 census_roots: Callable[[], dict[str, Any]], signals: Signals) -> None:
+        self._sampler = sampler
+        self._parts = parts
+        self._coverage = coverage
+        self._budget = budget
+        self._clock = clock
+        self._timeline = timeline
+        self._censuses = censuses
+        self._backward = backward
+        self._roots = roots
+        self._forward = forward
+        self._registry = registry
+        self._holders = holders
+        self._census_roots = census_roots
+        self._signals = signals
+        self.overall_peak = 0
+        self.growth: GrowthEvidence | None = None  # watch(): censuses when memory grows
+        self._close_cost = 0.0  # seconds the last light iteration's closing took
+        self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
+        self._passed = 0  # boundaries passed so since the last closed iteration
+
+    def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
+        """Whether the boundary ``event`` only counts an iteration: in a run of bare light
+        iterations (no hook, nothing read), each but the last ends with a count, and the
+        last closes them all (:meth:`close`)."""
+        if self.skip and event is strongest:
+            self.skip -= 1
+            self._passed += 1
+            self._clock.index += 1
+            return True
+        return False
+
+    def finish(self) -> None:
+        """Tracking ends within a run of passed boundaries: they count as light iterations."""
+        if self._passed:
+            self._budget.end_iteration(time.perf_counter() - self._clock.started, self._passed)
+            self.skip = self._passed = 0
+
+    def close(self, boundary: Boundary, *, merge: bool = False) -> None:
+        """Close the running iteration; with ``merge``, together with the iterations weaker
+        signals closed just before (they were parts of this one)."""
+        began = time.perf_counter()
+        if self._budget.light and not merge and boundary != Boundary.EXIT:
+            census = self._close_light(boundary, began)
+            light = True
+        else:
+            census = self._close_full(boundary, began, merge=merge)
+            light = False
+        spent = time.perf_counter() - began - census
+        self._budget.charge(BOUNDARIES, spent)
+        if light:
+            self._close_cost = spent
+
+    def _close_full(self, boundary: Boundary, now: float, *, merge: bool) -> float:
+        self.skip = self._passed = 0  # a stronger signal, or the end, within passed ones
+        sampler = self._sampler
+        assert sampler.backend is not None
+        if self._parts.due:
+            self._parts.read_all()  # the step may have made optimizer state
+            self._coverage.count(now, PARTS)
+        allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
+        closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
+                                    sampler.peak, now,
+                                    parts=breakdown(sampler, self._clock.index))
+        merged = self._timeline.close(closing, merge=merge)
+        if merged is not None:
+            self._clock.index = merged
+            self._censuses.forget_since(merged)
+            self._budget.merged(self._timeline.merged)
+        self.overall_peak = max(self.overall_peak, sampler.peak)
+        if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
+            self._settle_calls()
+        census = self._pending_census()
+        if census:
+            now = time.perf_counter()  # the census's own time is not the loop's
+            allocated = sampler.sample()
+        self._advance(boundary, closing.seconds, now)
+        sampler.peak = allocated
+        sampler.at_peak = sampler.moment()
+        return census
+
+    def _close_light(self, boundary: Boundary, now: float) -> float:
+        """A light iteration ends: its boundary is read when the reading fits in its share of
+        the budget (a light record: no peak inside, no parts), the rest as in full."""
+        passed, self._passed = self._passed, 0
+        seconds = now - self._clock.started
+        each = seconds / (passed + 1)
+        allocated = self._sampler.sample()
+        self._timeline.add(IterationStats(
+            index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
+            seconds=each, boundary=boundary, forward_calls=self._clock.calls,
+            data_seconds=self._clock.data_seconds, sampled=False))
+        self._sampler.peak = allocated
+        if boundary != Boundary.FORWARD:
+            self._settle_calls()
+        census = self._pending_census()
+        if census:
+            now = time.perf_counter()
+        self._advance(boundary, seconds, now, iterations=passed + 1)
+        if self._forward.hooks.bare:
+            self.skip = self._to_pass(each)
+        return census
+
+    def _to_pass(self, each: float) -> int:
+        """How many of the next boundaries only count (``each``: the loop's seconds per
+        iteration): as many as keep closing light iterations (reading their boundary)
+        within :data:`READ_SHARE` of the budget, and no more than until the budget can pay
+        for a sampled iteration or a census falls due."""
+        share = self._budget.share
+        if share is None:
+            return 0
+        earned = share * max(each, 1e-9)  # what an iteration pays into the budget
+        passes = math.ceil(self._close_cost / (READ_SHARE * earned)) - 1
+        short = self._budget.short()
+        if short <= 0:
+            return 0
+        passes = min(passes, math.ceil(short / earned) - 1, MAX_PASSED,
+                     next_census(self._clock.index) - self._clock.index - 1)
+        return max(0, passes)
+
+    def _bare(self) -> bool:
+        """Whether the next iteration, light, can go without any module hook
+        (:mod:`memsentry.record.hooks`): its end comes from an optimizer step or
+        ``t.step()``, no census waits for its first module call, and no forward runs now."""
+        return (self._budget.light and self._censuses.pending is None
+                and not self._forward.stack
+                and self._signals.signal in (Boundary.OPTIMIZER, Boundary.STEP))
+
+    def aside(self, started: float) -> None:
+        """Work of memsentry's since ``started`` at a boundary (the alarm rewriting the
+        report file): charged to the budget's judging, and not the loop's time."""
+        spent = time.perf_counter() - started
+        self._budget.charge(ANALYSIS, spent, inside=False)
+        self._clock.started += spent
+
+    def _settle_calls(self) -> None:
+        if self._backward is not None:
+            self._backward.drop_hooks()
+        self._roots.settle()
+
+    def _pending_census(self) -> float:
+        """A census pending since the last boundary, when no module ran since; its seconds."""
+        if self._censuses.pending is None:
+            return 0.0
+        return self._censuses.take_pending(**self._census_roots())
+
+    def _advance(self, boundary: Boundary, seconds: float, now: float, *,
+                 iterations: int = 1) -> None:
+        """Plan the census, size the next iteration's measuring, and begin it at ``now``
+        (``iterations``: the iterations ending, the passed ones with this one)."""
+        index = self._clock.index
+        if self._holders and boundary != Boundary.EXIT:
+            due = next_census(index - iterations) <= index  # one in the iterations ending
+            growth = self.growth
+            if growth is not None:
+                growth.add(self._sampler.last)
+                if growth.asks():
+                    due = True
+                if due:
+                    growth.planned()
+            self._censuses.plan(index, due=due)
+        remember_store()  # a script may destroy its process group before the block ends
+        self._coverage.end_iteration(index, seconds, len(self._registry.records))
+        if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
+            self._budget.end_iteration(seconds, iterations)
+        self._forward.hooks.follow(bare=self._bare())
+        self._clock.advance(now)

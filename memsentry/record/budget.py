@@ -1,0 +1,229 @@
+"""One budget for everything memsentry does while a loop runs.
+
+Every part of memsentry's work is clocked into one ledger: the module hooks (and what PyTorch
+adds to a call for having hooks at all), the saved-tensor and backward hooks, the work at
+iteration boundaries, reading the four parts, the holder searches (censuses) and running the
+rules while the loop runs. The budget is a share of the loop's own time, kept like two bank
+accounts: each iteration of the loop pays ``share`` times its own time into each.
+
+- *Measuring* (hooks, boundaries, parts) is paid from the first. An iteration is *sampled*
+  (every layer call measured, saved tensors and backwards attributed, the parts read) when
+  that account holds what a sampled iteration costs over a light one; otherwise it is
+  *light*: only its boundaries are read, some of them, and no module keeps a hook.
+- *Judging* (censuses, and the rules run on their results) is paid from the second: a census
+  that is due waits until the account holds what the last one cost (the first three are
+  taken when due, whatever it holds: three points decide a trend). A program's start
+  (Python, importing torch: 1 to 3 s on this project's machines) is part of its wall time, so
+  this account starts with :data:`STARTUP_SHARE` of the time the process ran untracked since
+  it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of it at most):
+  the first censuses of a short run are paid for at once, and the whole program stays
+  within 1.1 times its time without memsentry, however many trackers it runs.
+
+So whatever the step size, memsentry's time stays near ``share`` of the loop's for each, and
+a loop of large steps (where measuring costs little next to the step) is sampled in every
+iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from memsentry.model import Cost, PartCost
+
+#: The parts of the ledger.
+HOOKS = "module hooks"
+SAVED = "saved tensors"
+BACKWARD = "backward hooks"
+BOUNDARIES = "boundaries"
+PARTS = "parts"
+CENSUSES = "censuses"
+ANALYSIS = "analysis"
+LEDGER = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, CENSUSES, ANALYSIS)
+#: Seconds of the program's life before tracking began that the censuses' account is
+#: credited for, at most, and the share of them it may spend.
+STARTUP_CREDIT = 10.0
+STARTUP_SHARE = 0.1
+#: What measuring and judging are charged to.
+MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS)
+JUDGING = (CENSUSES, ANALYSIS)
+#: Iterations sampled whatever they cost, so every layer has figures from the start.
+SAMPLED_FIRST = 3
+#: What PyTorch adds to a module call for having a pre and a post hook that return at once
+#: (5.9 us, measured on this project's CI machine).
+DISPATCH = 6e-6
+#: What a census costs until one was clocked (a small process: 5 to 30 ms here).
+CENSUS_GUESS = 0.02
+
+
+class _Untracked:
+    """When the process last ran untracked: since its start, or since the last tracking
+    ended; while any tracker runs, it does not."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.since: float | None = None  # time.monotonic() when tracking last ended
+
+    def begin(self) -> float:
+        """A tracker begins: the seconds the process ran untracked until now."""
+        now = time.monotonic()
+        self.running += 1
+        if self.running > 1:
+            return 0.0
+        return now - self.since if self.since is not None else process_age()
+
+    def end(self) -> None:
+        self.running = max(0, self.running - 1)
+        if not self.running:
+            self.since = time.monotonic()
+
+
+UNTRACKED = _Untracked()
+
+
+def process_age() -> float:
+    """Seconds since this process started (0 where the system does not say)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / _ticks()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _ticks() -> int:
+    import os
+
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (ValueError, OSError, AttributeError):
+        return 100
+
+
+class Budget:
+    """The ledger of one recorder, and what it may still afford.
+
+    ``share`` is the share of the loop's own time memsentry may take (``None``: no limit, every
+    iteration sampled and every census taken when due). ``light`` says whether the running
+    iteration is light."""
+
+    def __init__(self, share: float | None, *, credit: float | None = None) -> None:
+        self.share = share
+        self.light = False
+        self.loop = 0.0  # the loop's own seconds so far
+        self._given = credit  # the untracked seconds to credit (None: as the process ran)
+        self.credit = 0.0  # seconds judging may spend before the loop earned any
+        if credit is not None:
+            self.credit = STARTUP_SHARE * min(credit, STARTUP_CREDIT)
+        self._open = False
+        self._seconds = dict.fromkeys(LEDGER, 0.0)
+        self._events = dict.fromkeys(LEDGER, 0)
+        self.spent = 0.0  # on measuring
+        self.judged = 0.0  # on judging
+        self._inside = 0.0  # own seconds clocked inside the running iteration's time
+        self.iterations = 0
+        self.sampled = 0
+        self.deferred = 0
+        self._sampled_cost = 0.0  # own seconds of the last sampled iteration
+        self._light_cost = 0.0  # own seconds of the last light one
+
+    def open(self) -> None:
+        """Tracking begins: the judging account is credited for the untracked time before."""
+        if not self._open:
+            self._open = True
+            untracked = UNTRACKED.begin()
+            if self._given is None:
+                self.credit = STARTUP_SHARE * min(untracked, STARTUP_CREDIT)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            UNTRACKED.end()
+
+    # -- the ledger ----------------------------------------------------------------------
+    def charge(self, part: str, seconds: float, events: int = 1, *, inside: bool = True) -> None:
+        """``seconds`` of memsentry's work on ``part``; ``inside``: they ran within the
+        running iteration's clocked time (its hooks), not moved out of it (a census)."""
+        self._seconds[part] += seconds
+        self._events[part] += events
+        if part in JUDGING:
+            self.judged += seconds
+        else:
+            self.spent += seconds
+        if inside:
+            self._inside += seconds
+
+    def since(self, part: str, started: float, events: int = 1) -> None:
+        """Charge ``part`` with the time since ``started`` (``time.perf_counter()``)."""
+        self.charge(part, time.perf_counter() - started, events)
+
+    @property
+    def bank(self) -> float:
+        """Seconds memsentry may still spend measuring (``inf`` without a limit)."""
+        if self.share is None:
+            return math.inf
+        return self.share * self.loop - self.spent
+
+    def afford(self, seconds: float) -> bool:
+        """Whether judging (a census, the rules after it) can spend ``seconds`` now."""
+        if self.share is None:
+            return True
+        return self.share * self.loop + self.credit - self.judged >= seconds
+
+    # -- iterations ----------------------------------------------------------------------
+    def end_iteration(self, seconds: float, iterations: int = 1) -> None:
+        """The running iteration (or ``iterations`` light ones) ended after ``seconds`` of
+        clocked time; decides whether the next one is sampled."""
+        own = self._inside
+        self._inside = 0.0
+        self.loop += max(0.0, seconds - own)
+        self.iterations += iterations
+        if self.light:
+            self._light_cost = own / iterations
+        else:
+            self.sampled += 1
+            self._sampled_cost = own
+        self.light = not (self.iterations < SAMPLED_FIRST or self.short() <= 0)
+
+    def merged(self, iterations: int) -> None:
+        """``iterations`` ended iterations (sampled ones) were parts of the one ending now."""
+        self.iterations -= iterations
+        self.sampled -= iterations
+
+    def short(self) -> float:
+        """Seconds the bank lacks to pay for a sampled iteration over a light one (0 or
+        less: it can)."""
+        return max(0.0, self._sampled_cost - self._light_cost) - self.bank
+
+    def cost(self) -> Cost:
+        return Cost(
+            budget=self.share, loop_seconds=self.loop,
+            parts=tuple(PartCost(part, self._seconds[part], self._events[part])
+                        for part in LEDGER),
+            iterations=self.iterations, sampled=self.sampled,
+            censuses_deferred=self.deferred,
+        )
+
+
+def budget_notes(cost: Cost) -> list[str]:
+    """What the report says when memsentry thinned out to keep its budget."""
+    notes: list[str] = []
+    if cost.budget is None:
+        return notes
+    light = cost.iterations - cost.sampled
+    if light > 0:
+        notes.append(
+            f"memsentry kept to its budget of {cost.budget:.0%} of the loop's time "
+            f"(track(overhead=...)): it measured layers in {cost.sampled:,} of "
+            f"{cost.iterations:,} iterations and read only the boundaries of the others, so "
+            "the layer table comes from those iterations; the iterations table and the "
+            "holder searches are whole. track(overhead=None) measures every iteration.")
+    if cost.censuses_deferred:
+        notes.append(
+            f"{cost.censuses_deferred:,} holder search(es) waited until the budget could pay "
+            f"for them ({cost.part(CENSUSES).each * 1e3:.0f} ms each); a leak is named "
+            "later than it would be without a budget (track(overhead=None) takes each when "
+            "due).")
+    return notes

@@ -1,0 +1,155 @@
+"""Which module hooks are on: memsentry's forward hooks on the tracked model's modules (or
+PyTorch's global module hooks without a model), moved as the budget and the window of measured
+layers move.
+
+A module with no hook costs the loop nothing, so the hooks follow what is measured:
+
+- in a sampled iteration, the layers in the coverage window (:mod:`memsentry.record.coverage`)
+  and the modules called outermost (the *anchors*: their calls mark iterations) are hooked;
+- in a light iteration, only the anchors;
+- in a *bare* light iteration (the loop's iterations end at optimizer steps or ``t.step()``,
+  and no census waits for the next iteration's first call), nothing: the boundaries alone
+  keep the count.
+
+Hooks are only ever moved at an iteration boundary with no forward running, so no hook is
+taken away from a call between its pre and its post hook.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from memsentry.record.coverage import Coverage
+from memsentry.record.layers import LayerRegistry, fully_sharded
+
+Pre = Callable[[nn.Module, Any], None]
+Post = Callable[[nn.Module, Any, Any], None]
+
+
+class ModuleHooks:
+    """The forward hooks of one recorder: ``pre`` and ``post`` on each hooked module (or as
+    global hooks), ``scripted_pre`` and ``scripted_post`` as global hooks that let only the
+    calls of the model's TorchScript modules through (they take no module hooks)."""
+
+    def __init__(self, coverage: Coverage, registry: LayerRegistry, pre: Pre, post: Post,
+                 scripted_pre: Pre, scripted_post: Post) -> None:
+        self._coverage = coverage
+        self._registry = registry
+        self._pre, self._post = pre, post
+        self._scripted_hooks = (scripted_pre, scripted_post)
+        self.anchors: set[int] = set()  # layers called outermost: hooked unless bare
+        self.scripted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._modules: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._unhooked: set[int] = set()  # layers of the model whose hooks were taken off
+        self._window: set[int] | None = None  # the window the hooks follow (None: all)
+        self._global: list[RemovableHandle] = []  # without a model: the global hooks
+        self._fixed: list[RemovableHandle] = []  # the TorchScript modules' global hooks
+        self._model = False
+        self.bare = False
+
+    # -- putting on and taking off -------------------------------------------------------
+    def hook_model(self, model: nn.Module) -> None:
+        """Hooks on every module of ``model``; its TorchScript modules get global hooks that
+        let only their calls through."""
+        self._model = True
+        for module in model.modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                self.scripted.add(module)
+                continue
+            self._hook(module)
+        if len(self.scripted):
+            pre, post = self._scripted_hooks
+            self._fixed = [register_module_forward_pre_hook(pre),
+                           register_module_forward_hook(post, always_call=True)]
+
+    def hook_global(self) -> None:
+        """Without a model: every module call of the process goes through the hooks."""
+        if not self._global:
+            self._global = [register_module_forward_pre_hook(self._pre),
+                            register_module_forward_hook(self._post, always_call=True)]
+
+    def _hook(self, module: nn.Module) -> None:
+        # Before FSDP2's pre-hook, as global hooks are: the all-gather is the unit's memory.
+        self._modules[id(module)] = (
+            module.register_forward_pre_hook(self._pre, prepend=fully_sharded(module)),
+            module.register_forward_hook(self._post, always_call=True),
+        )
+
+    def _unhook(self, module: nn.Module, index: int) -> None:
+        pre, post = self._modules.pop(id(module))
+        pre.remove()
+        post.remove()
+        self._unhooked.add(index)
+
+    def handles(self) -> list[RemovableHandle]:
+        """memsentry's forward hooks on now (a census leaves them out of the user's)."""
+        return [*(h for pair in self._modules.values() for h in pair), *self._global,
+                *self._fixed]
+
+    def remove_all(self) -> None:
+        for handle in self.handles():
+            handle.remove()
+        self._modules.clear()
+        self._global, self._fixed = [], []
+
+    # -- following the budget ------------------------------------------------------------
+    def follow(self, *, bare: bool) -> None:
+        """At a boundary with no forward running: the hooks follow the window of measured
+        layers; ``bare`` takes the anchors' (or the global) hooks off too, until the next
+        iteration that is not bare. Only the modules whose side changed are visited."""
+        if bare != self.bare:
+            self.bare = bare
+            self._follow_anchors()
+        window = self._coverage.window()
+        if window is None and self._window is None:
+            return
+        if window is None:
+            changed = set(self._unhooked) - self.anchors
+        elif self._window is None:
+            changed = set(range(self._coverage.layers)) - self.anchors
+        else:
+            changed = (window ^ self._window) - self.anchors
+        self._window = window
+        modules = self._registry.by_index() if changed else {}
+        for index in changed:
+            module = modules.get(index)
+            if module is None:
+                continue
+            hooked = id(module) in self._modules
+            if window is None or index in window:
+                if not hooked and index in self._unhooked:
+                    self._unhooked.discard(index)
+                    self._hook(module)
+            elif hooked:
+                self._unhook(module, index)
+
+    def _follow_anchors(self) -> None:
+        if not self._model:
+            if self.bare:
+                for handle in self._global:
+                    handle.remove()
+                self._global = []
+            else:
+                self.hook_global()
+            return
+        modules = self._registry.by_index()
+        for index in self.anchors:
+            module = modules.get(index)
+            if module is None:
+                continue
+            hooked = id(module) in self._modules
+            if self.bare and hooked:
+                self._unhook(module, index)
+            elif not self.bare and not hooked and index in self._unhooked:
+                self._unhooked.discard(index)
+                self._hook(module)

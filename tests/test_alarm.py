@@ -1,0 +1,192 @@
+"""The alarm while the run lives: a leak is said the moment the census that proves it is taken
+(a warning at the user's line, a LeakError at the next boundary, the alarm callback, one line
+on stderr under ``memsentry run``), and the report file holds the latest report meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memsentry
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+class Loop:
+    """A training loop that keeps each loss with its graph (``leaky``) or its float; it notes
+    the iteration it was in when a warning came."""
+
+    def __init__(self, *, leaky: bool = True) -> None:
+        self.model = make_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.kept: list[object] = []
+        self.leaky = leaky
+        self.iteration = -1
+        self.warned_at: list[int] = []
+
+    def run(self, steps: int) -> None:
+        for self.iteration in range(steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = self.model(torch.randn(8, 16)).pow(2).mean()
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+            leak_warnings = [w for w in caught if issubclass(w.category, memsentry.LeakWarning)]
+            if leak_warnings:
+                self.warned_at.append(self.iteration)
+                assert leak_warnings[0].filename == __file__  # the user's line
+            self.kept.append(loss if self.leaky else loss.item())
+
+
+def test_a_leak_is_warned_about_while_the_loop_runs() -> None:
+    loop = Loop()
+    with warnings.catch_warnings(record=True) as at_the_end:
+        warnings.simplefilter("always")
+        with memsentry.track(loop.model) as t:
+            loop.run(30)
+    # The censuses of iterations 2, 3 and 4 prove it; the one of iteration 4 is taken as
+    # iteration 5 begins, and the warning comes then, 25 iterations before the end, which
+    # does not say it again.
+    assert loop.warned_at == [5]
+    assert not [w for w in at_the_end if issubclass(w.category, memsentry.LeakWarning)]
+    assert [f.rule for f in t.report().findings] == ["tensor-accumulation"]
+
+
+def test_on_leak_raise_stops_the_loop_at_the_next_boundary() -> None:
+    loop = Loop()
+    with pytest.raises(memsentry.LeakError) as raised, \
+            warnings.catch_warnings(record=True) as caught, \
+            memsentry.track(loop.model, on_leak="raise") as t:
+        warnings.simplefilter("always")
+        loop.run(30)
+    assert loop.iteration == 5  # not the end of the loop
+    assert raised.value.findings[0].rule == "tensor-accumulation"
+    assert "`self.kept`" in str(raised.value)
+    assert not [w for w in caught if issubclass(w.category, memsentry.LeakWarning)]
+    assert not t.active and t.report().findings  # stopped, with the report kept
+
+
+def test_the_alarm_callback_hears_each_leak_once_and_its_error_is_raised_in_the_loop() -> None:
+    heard: list[tuple[int, str]] = []
+    loop = Loop()
+
+    def alarm(text: str, leaks: tuple[memsentry.Finding, ...]) -> None:
+        heard.append((loop.iteration, leaks[0].rule))
+
+    with memsentry.track(loop.model, alarm=alarm, on_leak="ignore"):
+        loop.run(30)
+    assert heard == [(5, "tensor-accumulation")]
+
+    class Stop(Exception):
+        pass
+
+    def stop(text: str, leaks: tuple[memsentry.Finding, ...]) -> None:
+        raise Stop(text)
+
+    loop = Loop()
+    with pytest.raises(Stop), memsentry.track(loop.model, alarm=stop):
+        loop.run(30)
+    assert loop.iteration == 5
+
+
+def test_no_alarm_for_a_loop_that_keeps_floats() -> None:
+    heard: list[str] = []
+    loop = Loop(leaky=False)
+    with memsentry.track(loop.model, alarm=lambda text, leaks: heard.append(text)) as t:
+        loop.run(30)
+    assert heard == [] and loop.warned_at == []
+    assert not t.report().findings
+
+
+def test_the_report_file_holds_the_latest_report_while_the_run_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "live.json"
+    loop = Loop()
+    seen: dict[int, int] = {}  # iteration -> findings in the file then
+
+    class Watching(Loop):
+        def run(self, steps: int) -> None:
+            for _ in range(steps):
+                super().run(1)
+                if path.exists():
+                    seen[len(seen)] = len(json.loads(path.read_text())["findings"])
+
+    loop = Watching()
+    with memsentry.track(loop.model, on_leak="ignore", report_path=path) as t:
+        loop.run(12)
+    assert seen and max(seen.values()) == 1  # written when the leak was found, mid-run
+    final = memsentry.Report.from_json(path)
+    assert final.findings == t.report().findings
+    assert final.iterations == t.report().iterations
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json"]  # no temporary left
+
+
+def test_the_report_is_built_once_when_tracking_ended() -> None:
+    loop = Loop(leaky=False)
+    with memsentry.track(loop.model) as t:
+        loop.run(4)
+        assert t.report() is not t.report()  # while running, as of now
+    assert t.report() is t.report()
+
+
+def test_bad_alarm_and_report_path_are_refused_before_tracking(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="alarm"):
+        memsentry.track(alarm="print")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="report_path"):
+        memsentry.track(report_path=tmp_path / "missing" / "r.json")
+
+
+def test_watch_finds_the_leak_and_keeps_to_one_percent() -> None:
+    loop = Loop()
+    with memsentry.watch(loop.model) as w:
+        loop.run(30)
+    report = w.report()
+    assert report.cost is not None and report.cost.budget == pytest.approx(0.01)
+    assert [f.rule for f in report.findings] == ["tensor-accumulation"]
+    assert loop.warned_at and loop.warned_at[0] <= 6
+
+
+SCRIPT = """
+import sys, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+history = []
+for it in range(40):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    history.append(loss)
+    print(f"iteration {it}", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("watch", [False, True], ids=["run", "run --watch"])
+def test_memsentry_run_says_the_leak_on_stderr_while_the_script_runs(
+        tmp_path: Path, watch: bool) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    report = tmp_path / "r.json"
+    command = [sys.executable, "-m", "memsentry", "run", "--json", str(report), str(script)]
+    if watch:
+        command.insert(4, "--watch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    (alarm,) = [i for i, line in enumerate(lines) if line.startswith("memsentry run: LEAK")]
+    assert "tensor-accumulation: `history`" in lines[alarm]
+    assert "iteration 39" in lines[alarm + 1:]  # said while the script still ran
+    assert json.loads(report.read_text())["findings"][0]["rule"] == "tensor-accumulation"
