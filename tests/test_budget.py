@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_coverage import make_model, train
 from torch import nn
 from torch.nn.modules import module as module_globals
 
@@ -22,38 +23,13 @@ def no_credit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(budget_module.UNTRACKED, "begin", lambda: 0.0)
 
 
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)],
-                         nn.Linear(16, 2))
-
-
-def train(model: nn.Module, steps: int, *, kept: list[torch.Tensor] | None = None,
-          hooked: list[int] | None = None) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    torch.manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        loss = model(torch.randn(8, 16)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if kept is not None:
-            kept.append(torch.randn(64 * 1024))  # 256 KiB a step, kept
-        if hooked is not None:  # modules carrying a hook now, and global hooks
-            hooked.append(sum(bool(m._forward_pre_hooks) for m in model.modules())
-                          + len(module_globals._global_forward_pre_hooks))
-    return losses
-
-
 def test_a_loop_over_its_budget_runs_light_with_bitwise_results(no_credit: None) -> None:
     plain_model = make_model()
     plain = train(plain_model, 30)
     model = make_model()
     hooked: list[int] = []
     with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
-        tracked = train(model, 30, hooked=hooked)
+        tracked = train(model, 30, watch=hooked)
     assert plain == tracked
     assert all(torch.equal(a, b) for a, b in
                zip(plain_model.state_dict().values(), model.state_dict().values(), strict=True))
@@ -78,7 +54,7 @@ def test_global_hooks_come_off_in_light_iterations(no_credit: None) -> None:
     before = len(module_globals._global_forward_pre_hooks)
     hooked: list[int] = []
     with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
-        train(model, 12, hooked=hooked)
+        train(model, 12, watch=hooked)
     assert hooked[0] == before + 1  # the first iterations are measured
     assert hooked[-1] == before  # then nothing of memsentry's runs at module calls
     assert len(module_globals._global_forward_pre_hooks) == before
