@@ -310,6 +310,15 @@ def test_a_leak_is_logged_while_fit_runs_and_raise_ends_fit_there_with_the_repor
     assert_unhooked(module)
 
 
+def test_watch_true_keeps_to_one_percent_and_finds_the_leak() -> None:
+    callback = MemsentryCallback(watch=True, on_leak="ignore", print_report=False)
+    fit(made("train"), [callback], epochs=2)
+    report = callback.report
+    assert report is not None and report.cost is not None
+    assert report.cost.budget == pytest.approx(0.01)
+    assert [f.rule for f in leaks(report)] == ["tensor-accumulation"]
+
+
 def test_an_exception_comes_out_unchanged_with_no_hook_left_and_the_report_kept() -> None:
     callback = MemsentryCallback(print_report=False)
     module = made(fail_at=5)

@@ -25,7 +25,7 @@ from memsentry.record import ON_LEAK, OnLeak
 from memsentry.record.paths import unwritable
 from memsentry.report import Report
 from memsentry.rules.series import WARMUP
-from memsentry.tracker import Tracker
+from memsentry.tracker import WATCH_OVERHEAD, Tracker
 from memsentry.usercode.frames import is_machinery_frame
 
 #: Keyword arguments of ``track()`` a callback passes on; the rest it sets itself.
@@ -126,8 +126,11 @@ class TrainingSession:
         self.epoch_reports = []
         live = self.report_path if self.report_path is not None \
             and self.report_path.lower().endswith(".json") else None
+        options = dict(self.options)
+        if options.get("watch"):  # the always-on mode: 1% of the loop unless told
+            options.setdefault("overhead", WATCH_OVERHEAD)
         self.tracker = Tracker(model, on_leak="ignore", names=names, alarm=self._alarm,
-                               report_path=live, **self.options)
+                               report_path=live, **options)
         self.tracker.start()
 
     def _alarm(self, text: str, leaks: tuple[Finding, ...]) -> None:
