@@ -3,7 +3,10 @@ and the report file is kept current, so that a run killed after ten hours leaves
 report.
 
 After each census the rules run on the recording so far. A LEAK finding not said before is
-said at once, in the loop's thread:
+said, in the loop's thread, once it held while the run went on to four times as many
+iterations (:data:`CONFIRM`): containers bounded at a few entries grow like leaks until they
+are full, and a warning a longer run would take back is worse than one a few iterations
+later:
 
 - to the ``alarm`` callback, when one is given (``memsentry run`` writes one line on stderr,
   the framework callbacks their logger); an error it raises is raised in the loop at the
@@ -15,8 +18,8 @@ said at once, in the loop's thread:
   iteration boundary (the end does not raise it again).
 
 The report file (``report_path``) is written whole to a temporary file beside it and moved in
-place (:func:`os.replace`), at every new finding and every :data:`REWRITE_SECONDS`, so a
-reader never sees half a file.
+place (:func:`os.replace`), at every new finding (said or not yet) and every
+:data:`REWRITE_SECONDS`, so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ if TYPE_CHECKING:
 
 #: Seconds between two rewrites of the report file while the run lives.
 REWRITE_SECONDS = 120.0
+#: A LEAK is said while the run lives once it held from the census of iteration i to one of
+#: iteration CONFIRM * i or later (first seen at 4: said at the census of iteration 18, as
+#: iteration 19 begins); the report at the end judges every finding as it stands.
+CONFIRM = 4
 
 Alarm = Callable[[str, tuple[Finding, ...]], None]
 
@@ -113,6 +120,8 @@ class LiveAlarm:
         self._written = time.monotonic()
         self._raised: BaseException | None = None  # the error left for a boundary
         self.warned: set[tuple[str, str]] = set()  # leaks the mid-run warning said
+        self._since: dict[tuple[str, str], int] = {}  # leak -> the census it was first seen at
+        self._in_file: set[tuple[str, str]] = set()  # the findings the report file has
 
     @property
     def raised_leak(self) -> bool:
@@ -127,11 +136,13 @@ class LiveAlarm:
                 or self.report_path is not None)
 
     def census_taken(self, report: Report) -> BaseException | None:
-        """A census was taken and ``report`` judged what was recorded so far: say the new
-        leaks; returns the error to raise at the next boundary, if any."""
-        new = tuple(f for f in report.findings if f.severity is Severity.LEAK
-                    and finding_key(f) not in self.said)
-        if new or self.rewrite_due():
+        """A census was taken and ``report`` judged what was recorded so far: say the leaks
+        confirmed since (:func:`confirmed`); returns the error to raise at the next boundary,
+        if any."""
+        new = self._confirmed(report)
+        keys = {finding_key(f) for f in report.findings}
+        if keys - self._in_file or self.rewrite_due():  # a finding the file lacks
+            self._in_file = keys
             self.save(report)
         if not new:
             return None
@@ -171,6 +182,24 @@ class LiveAlarm:
                 recorder.aside(started)
 
         return heard
+
+    def _confirmed(self, report: Report) -> tuple[Finding, ...]:
+        """The LEAK findings not said yet that held from a census to one taken at least
+        :data:`CONFIRM` times as many iterations into the run: a list bounded at 8 entries,
+        or a deque of 12, grows like a leak until it is full, and is seen full by then."""
+        now = report.censuses[-1].iteration if report.censuses else 0
+        leaks = [f for f in report.findings if f.severity is Severity.LEAK]
+        keys = {finding_key(f) for f in leaks}
+        for key in list(self._since):
+            if key not in keys:  # no longer judged a leak: it starts again if it comes back
+                del self._since[key]
+        found = []
+        for finding in leaks:
+            key = finding_key(finding)
+            since = self._since.setdefault(key, max(now, 1))
+            if key not in self.said and now >= CONFIRM * since:
+                found.append(finding)
+        return tuple(found)
 
     def rewrite_due(self) -> bool:
         return self.report_path is not None \

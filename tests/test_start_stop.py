@@ -117,7 +117,7 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
     assert tracker.active
     history: list[torch.Tensor] = []
     with pytest.warns(LeakWarning, match="tensor-accumulation") as caught:
-        _fit(model, 7, history)  # said as the census of iteration 4 proves it
+        _fit(model, 20, history)  # said as the census of iteration 18 confirms it
     forward = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
                    if "loss = model(torch.randn(8, 16))" in line)
     assert {(w.filename, w.lineno) for w in caught} == {(__file__, forward)}  # the loop's
@@ -133,14 +133,15 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
 
 
 def test_stop_raises_the_leak_with_on_leak_raise() -> None:
-    # Raised in the loop at the first boundary after the proof (the census of iteration 4,
-    # taken as iteration 5 begins); a framework's on_exception then calls stop(error).
+    # Raised in the loop at the first boundary after the census that confirms it (that of
+    # iteration 18, taken as iteration 19 begins); a framework's on_exception then calls
+    # stop(error).
     model = make_mlp()
     tracker = memsentry.track(model, on_leak="raise").start()
     history: list[torch.Tensor] = []
     with pytest.raises(LeakError) as caught:
-        _fit(model, 12, history)
-    assert len(history) == 5
+        _fit(model, 30, history)
+    assert len(history) == 19
     assert [f.rule for f in caught.value.findings] == ["tensor-accumulation"]
     assert tracker.active
     report = tracker.stop(caught.value)  # not raised again
@@ -155,7 +156,7 @@ def test_stop_raises_a_leak_it_finds_at_the_end() -> None:
     model = make_mlp()
     tracker = memsentry.track(model, on_leak="raise").start()
     history: list[torch.Tensor] = []
-    _fit(model, 5, history)  # the census of iteration 4 is pending as the loop ends
+    _fit(model, 7, history)  # proven by the censuses of 2, 3, 4 and 6, not yet confirmed
     tracker.census()
     with pytest.raises(LeakError) as caught:
         tracker.stop()

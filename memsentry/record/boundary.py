@@ -170,8 +170,9 @@ class Boundaries:
         short = self._budget.short()
         if short <= 0:
             return 0
+        running = self._clock.index  # the iteration that began: its boundary is the first
         passes = min(passes, math.ceil(short / earned) - 1, MAX_PASSED,
-                     next_census(self._clock.index) - self._clock.index - 1)
+                     next_census(running - 1) - running)
         return max(0, passes)
 
     def _bare(self) -> bool:

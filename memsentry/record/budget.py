@@ -11,8 +11,9 @@ accounts: each iteration of the loop pays ``share`` times its own time into each
   that account holds what a sampled iteration costs over a light one; otherwise it is
   *light*: only its boundaries are read, some of them, and no module keeps a hook.
 - *Judging* (censuses, and the rules run on their results) is paid from the second: a census
-  that is due waits until the account holds what the last one cost (the first three are
-  taken when due, whatever it holds: three points decide a trend). A program's start
+  that is due waits until the account holds what the last one cost (the seven of iterations
+  2 to 34 are taken when due, whatever it holds: they decide a short run's trends). A
+  program's start
   (Python, importing torch: 1 to 3 s on this project's machines) is part of its wall time, so
   this account starts with :data:`STARTUP_SHARE` of the time the process ran untracked since
   it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of it at most):

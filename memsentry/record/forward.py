@@ -243,6 +243,8 @@ class ForwardRecorder:
             call = stack.pop()
         if not call.measured and not stack and self.coverage.light:  # its boundaries count
             record.calls += 1
+            if torch.is_grad_enabled():  # the end of its backward may close the iteration
+                self._roots.watch(record.name, not module.training, None, tensors_in(output))
             self.coverage.aside(started)
             return
         self._ended(module, call, allocated, output)
