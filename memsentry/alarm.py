@@ -1,4 +1,4 @@
-"""The alarm while the run lives: a leak is said as soon as the census that proves it is taken,
+"""The alarm while the run lives: a leak is said as soon as a census confirms it,
 and the report file is kept current, so that a run killed after ten hours leaves its latest
 report.
 

@@ -155,14 +155,14 @@ class Tracker:
     for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
     ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
     before older ones are thinned out. ``on_leak``: what happens when a LEAK finding is made,
-    as soon as the census that proves it is taken and again at the end: ``"warn"`` (a
+    as soon as a census confirms it (:mod:`memsentry.alarm`) and at the end: ``"warn"`` (a
     :class:`~memsentry.LeakWarning`, at the user's line while the loop runs, at the with-block
     at the end), ``"raise"`` (a :class:`~memsentry.LeakError`, raised in the loop at the next
     iteration boundary, or at the end unless the block is already raising) or ``"ignore"``.
     ``holders``: search for who holds tensors at iteration boundaries; ``holder_budget``: the
     seconds one search may take. ``overhead``: the share of the loop's own time everything
     memsentry does may take (hooks, readings, censuses, the rules run while the loop runs;
-    default 0.03). Past it memsentry thins out: iterations are *light* (only their boundaries
+    default 0.04). Past it memsentry thins out: iterations are *light* (only their boundaries
     read, no hook on any module), layers are measured in turn within the others, censuses
     wait until the budget can pay for them; the report says so (``report.cost`` has the
     ledger). ``None`` measures everything whatever it costs. ``gather_timeout``:
@@ -400,7 +400,7 @@ def watch(model: nn.Module | None = None, **options: Any) -> Tracker:
     with ``watch=True`` and ``overhead=0.01`` unless given. It reads the counters at iteration
     boundaries, measures layers only in the iterations its 1% budget can pay for, and takes a
     census when the memory left at boundaries climbs (besides the doubling schedule, as its
-    budget allows); a leak is said as soon as a census proves it (``on_leak``, ``alarm``), and
+    budget allows); a leak is said once a census confirms it (``on_leak``, ``alarm``), and
     ``report_path`` keeps the latest report on disk while the run goes on."""
     options.setdefault("overhead", WATCH_OVERHEAD)
     return Tracker(model, watch=True, **options)
