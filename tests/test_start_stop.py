@@ -117,7 +117,7 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
     assert tracker.active
     history: list[torch.Tensor] = []
     with pytest.warns(LeakWarning, match="tensor-accumulation") as caught:
-        _fit(model, 20, history)  # said as the census of iteration 18 confirms it
+        _fit(model, 36, history)  # said as the census of iteration 34 confirms it
     forward = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
                    if "loss = model(torch.randn(8, 16))" in line)
     assert {(w.filename, w.lineno) for w in caught} == {(__file__, forward)}  # the loop's
@@ -134,14 +134,14 @@ def test_stop_returns_the_final_report_and_a_second_stop_changes_nothing() -> No
 
 def test_stop_raises_the_leak_with_on_leak_raise() -> None:
     # Raised in the loop at the first boundary after the census that confirms it (that of
-    # iteration 18, taken as iteration 19 begins); a framework's on_exception then calls
+    # iteration 34, taken as iteration 35 begins); a framework's on_exception then calls
     # stop(error).
     model = make_mlp()
     tracker = memsentry.track(model, on_leak="raise").start()
     history: list[torch.Tensor] = []
     with pytest.raises(LeakError) as caught:
-        _fit(model, 30, history)
-    assert len(history) == 19
+        _fit(model, 40, history)
+    assert len(history) == 35
     assert [f.rule for f in caught.value.findings] == ["tensor-accumulation"]
     assert tracker.active
     report = tracker.stop(caught.value)  # not raised again
