@@ -306,7 +306,11 @@ def test_a_rank_killed_during_training_then_sigterm(tmp_path: Path, mode: str) -
     combined = Report.from_json(tmp_path / "r.json")
     assert [r.rank for r in combined.ranks] == [0]
     assert _missing_rank_1(combined)
-    assert not (tmp_path / "r.rank1.json").exists()
+    # Rank 1 died of SIGKILL: what it left is the report the alarm last rewrote while it ran
+    # (at a new finding), whole and readable, or nothing when it had nothing to say yet.
+    left = tmp_path / "r.rank1.json"
+    if left.exists():
+        assert Report.from_json(left).rank == 1
 
 
 def test_a_killed_rank_costs_rank_0_the_gather_timeout_at_most(tmp_path: Path) -> None:

@@ -297,7 +297,7 @@ def test_a_mutable_default_used_by_the_running_function_is_named_as_the_default(
 def test_a_leak_is_found_next_to_a_container_of_millions_of_numbers() -> None:
     """A global of three million floats is checked at C speed, not item by item: the census
     stays within its budget and complete, and the leak beside it is named."""
-    from memsentry.census.walk import only_atoms
+    from memsentry.census.children import only_atoms
 
     numbers = [float(i) for i in range(3_000_000)]
     assert only_atoms(numbers) and not only_atoms([*numbers[:5000], torch.ones(1)])

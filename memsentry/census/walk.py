@@ -9,8 +9,6 @@ holder above them (its items, counted together).
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
 import time
 import types
 from collections.abc import Iterator
@@ -20,25 +18,32 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from memsentry.census.children import (
+    _CONTAINERS,
+    CALLABLES,
+    LARGE,
+    Child,
+    atomic,
+    captured,
+    children,
+    only_atoms,
+    walks_into,
+)
 from memsentry.measure.storage import storage_of
 from memsentry.model import HeldTensor, HolderKind, Scope, ScopeKind, Step, StepKind
-from memsentry.usercode.frames import MACHINERY, is_user_class, root_package, source_file
+from memsentry.usercode.frames import is_user_class, root_package, source_file
 
-_ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
-          type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
 #: Objects never walked into: code, functions, classes, optimizers, autograd nodes.
 OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
           types.FrameType, types.CodeType, types.GeneratorType, types.CoroutineType,
           type, property, staticmethod, classmethod,
           torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
           torch.autograd.graph.Node)
-_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
 #: Packages whose objects are never walked into: memsentry's own, and the test runner's (a
 #: test's ``request`` or ``capsys`` reaches the whole session, every collected test; the
 #: test's own values are met through its locals first).
 _NOT_WALKED = frozenset({"memsentry", "pytest_memsentry", "_pytest", "pluggy", "xdist",
                          "execnet"})
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
 _MAX_DEPTH = 12
 _CHECK_EVERY = 256
 
@@ -98,14 +103,6 @@ class Budget:
         return self.exhausted
 
 
-def atomic(obj: Any) -> bool:
-    """Nothing to find inside (numbers, strings, dtypes) or nothing safe to look at (a weak
-    proxy whose object is gone raises on any access)."""
-    try:
-        return isinstance(obj, _ATOMS)
-    except Exception:
-        return True
-
 
 def storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
     """((device, storage pointer), storage bytes), or ``None`` for storage-less tensors (a
@@ -113,11 +110,6 @@ def storage_key(tensor: torch.Tensor) -> tuple[tuple[str, int], int] | None:
     found = storage_of(tensor)
     return None if found is None else ((str(tensor.device), found[0]), found[1])
 
-
-#: A child as the walk meets it: (step kind, the raw step: an attribute's name, a dict key, an
-#: index, a frame-kept local's (function, name); the child; whether it is positional). The
-#: typed :class:`Step` is built only when the child extends a path.
-Child = tuple[StepKind, Any, Any, bool]
 
 _STEPS: dict[tuple[StepKind, str], Step] = {}
 _MAX_CACHED_STEPS = 50_000
@@ -137,123 +129,6 @@ def make_step(kind: StepKind, raw: Any) -> Step:
         step = _STEPS[kind, name] = Step(kind, name)
     return step
 
-
-def _traceback_locals(tb: types.TracebackType | None, live: set[int]) -> Iterator[Child]:
-    """The locals of the finished frames a traceback keeps (frames still running are roots of
-    their own, and reading theirs here would keep a snapshot alive)."""
-    while tb is not None:
-        frame = tb.tb_frame
-        if id(frame) not in live:
-            function = frame.f_code.co_name
-            for name, value in list(frame.f_locals.items()):
-                yield StepKind.FRAME_LOCAL, (function, name), value, True
-        tb = tb.tb_next
-
-
-def _attributes(obj: Any) -> Iterator[Child]:
-    """An object's instance attributes, from its ``__dict__`` and its slots."""
-    attributes = getattr(obj, "__dict__", None)
-    if isinstance(attributes, dict):
-        for name, value in list(attributes.items()):
-            yield StepKind.ATTRIBUTE, name, value, False
-    for name in getattr(type(obj), "__slots__", ()):
-        if isinstance(name, str) and hasattr(obj, name):
-            yield StepKind.ATTRIBUTE, name, getattr(obj, name), False
-
-
-def _module_attributes(module: nn.Module) -> Iterator[Child]:
-    """A module's submodules and its own attributes (not nn.Module's bookkeeping)."""
-    for name, child in module._modules.items():
-        if child is not None:
-            yield StepKind.ATTRIBUTE, name, child, False
-    for name, value in list(vars(module).items()):
-        if name not in _MODULE_INTERNALS:
-            yield StepKind.ATTRIBUTE, name, value, False
-
-
-def _items(obj: Any) -> Iterator[Child]:
-    """A container's items: string keys extend the path, the rest are positional."""
-    if isinstance(obj, dict):
-        for key, value in list(obj.items()):
-            yield StepKind.KEY, key, value, not isinstance(key, str)
-    elif isinstance(obj, set | frozenset):
-        for value in list(obj):
-            yield StepKind.MEMBER, None, value, True
-    else:
-        for index, value in enumerate(list(obj)):
-            yield StepKind.INDEX, index, value, True
-
-
-#: Containers longer than this are first checked at C speed for anything but plain values.
-LARGE = 4096
-_ATOM_TYPES = frozenset(t for t in _ATOMS if isinstance(t, type))
-
-
-def only_atoms(obj: Any) -> bool:
-    """A large list, tuple, set or dict holding only numbers, strings and the like: nothing
-    to walk into (three million floats are checked in tens of milliseconds, not seconds)."""
-    if not isinstance(obj, _CONTAINERS) or len(obj) <= LARGE:
-        return False
-    try:
-        kinds = set(map(type, obj.values())) | set(map(type, obj)) if isinstance(obj, dict) \
-            else set(map(type, obj))
-    except Exception:  # changed size while read: walk it item by item
-        return False
-    return kinds <= _ATOM_TYPES
-
-
-def children(obj: Any, live: set[int]) -> Iterator[Child]:
-    """What ``obj`` holds (see :data:`Child`); positional children (sequence indices, set
-    members, non-string keys, a traceback's frame locals) belong to the holder above."""
-    if isinstance(obj, types.TracebackType):
-        return _traceback_locals(obj, live)
-    if isinstance(obj, _CONTAINERS):
-        inner = _items(obj)
-    elif isinstance(obj, nn.Module):
-        inner = _module_attributes(obj)
-    else:
-        inner = _attributes(obj)
-    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
-        traceback: Child = (StepKind.ATTRIBUTE, "__traceback__", obj.__traceback__, False)
-        return itertools.chain((traceback,), inner)
-    return inner
-
-
-#: Callables whose captured values are walked: a function's defaults and closure cells, a
-#: bound method's object, a ``functools.partial``'s function and arguments.
-CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
-
-
-def walks_into(obj: Any) -> bool:
-    """A callable of the user's code, whose captured values may hold tensors."""
-    if isinstance(obj, types.FunctionType):
-        return root_package(obj.__module__) not in MACHINERY
-    if isinstance(obj, types.MethodType):
-        return walks_into(obj.__func__) or is_user_class(type(obj.__self__))
-    return isinstance(obj, functools.partial)
-
-
-def captured(obj: Any) -> Iterator[Child]:
-    """What a callable keeps alive, spelled as Python reaches it (``record.__defaults__[0]``,
-    ``log.__closure__[0].cell_contents``, ``step.__self__``, ``fn.args``)."""
-    if isinstance(obj, types.FunctionType):
-        for index, value in enumerate(obj.__defaults__ or ()):
-            yield StepKind.ATTRIBUTE, f"__defaults__[{index}]", value, False
-        for name, value in (obj.__kwdefaults__ or {}).items():
-            yield StepKind.ATTRIBUTE, f"__kwdefaults__[{name!r}]", value, False
-        for index, cell in enumerate(obj.__closure__ or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            yield StepKind.ATTRIBUTE, f"__closure__[{index}].cell_contents", value, False
-    elif isinstance(obj, types.MethodType):
-        yield StepKind.ATTRIBUTE, "__self__", obj.__self__, False
-        yield StepKind.ATTRIBUTE, "__func__", obj.__func__, False
-    else:
-        yield StepKind.ATTRIBUTE, "func", obj.func, False
-        yield StepKind.ATTRIBUTE, "args", obj.args, False
-        yield StepKind.ATTRIBUTE, "keywords", obj.keywords, False
 
 
 class Walk:

@@ -111,13 +111,15 @@ class UnusedGraph:
     """Forward calls of an outermost module, run with autograd on, whose graph no backward ever
     used. ``saved_bytes`` is the most one call saved for backward (``None`` when not measured),
     ``eval_calls`` how many of the calls ran in ``eval()`` mode, ``where`` the caller's line
-    (with its function)."""
+    (with its function), ``unwatched`` how many calls of the module memsentry did not watch
+    (in light iterations, to keep its budget): whether their graphs were used is unknown."""
 
     module: str
     calls: int
     eval_calls: int
     saved_bytes: int | None
     where: Location | None = None
+    unwatched: int = 0
 
 
 @dataclass(frozen=True)

@@ -120,9 +120,11 @@ class Boundaries:
                                     parts=breakdown(sampler, self._clock.index))
         merged = self._timeline.close(closing, merge=merge)
         if merged is not None:
+            # The iterations merged: those the timeline kept and those it left out (passed
+            # with a count, or thinned), which were all light.
+            self._budget.merged(self._clock.index - merged, self._timeline.merged_sampled)
             self._clock.index = merged
             self._censuses.forget_since(merged)
-            self._budget.merged(self._timeline.merged)
         self.overall_peak = max(self.overall_peak, sampler.peak)
         if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
             self._settle_calls()
@@ -153,7 +155,9 @@ class Boundaries:
         if census:
             now = time.perf_counter()
         self._advance(boundary, seconds, now, iterations=passed + 1)
-        if self._forward.hooks.bare:
+        if self._forward.hooks.bare or self._signals.signal is Boundary.FORWARD:
+            # The next iteration is light with no hook, or with the anchors' hooks alone
+            # (they end its iterations): pass some boundaries with a count.
             self.skip = self._to_pass(each)
         return census
 
@@ -221,4 +225,8 @@ class Boundaries:
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
             self._budget.end_iteration(seconds, iterations)
         self._forward.hooks.follow(bare=self._bare())
+        # Light calls are watched thinned out unless the ends of backward passes close the
+        # iterations (they are seen through the watched calls).
+        self._roots.thin = self._signals.signal in (Boundary.FORWARD, Boundary.OPTIMIZER,
+                                                    Boundary.STEP)
         self._clock.advance(now)

@@ -188,10 +188,11 @@ class Budget:
             self._sampled_cost = own
         self.light = not (self.iterations < SAMPLED_FIRST or self.short() <= 0)
 
-    def merged(self, iterations: int) -> None:
-        """``iterations`` ended iterations (sampled ones) were parts of the one ending now."""
-        self.iterations -= iterations
-        self.sampled -= iterations
+    def merged(self, iterations: int, sampled: int) -> None:
+        """``iterations`` ended iterations, ``sampled`` of them sampled, were parts of the one
+        ending now."""
+        self.iterations = max(0, self.iterations - iterations)
+        self.sampled = max(0, min(self.sampled - sampled, self.iterations))
 
     def short(self) -> float:
         """Seconds the bank lacks to pay for a sampled iteration over a light one (0 or

@@ -244,7 +244,7 @@ class ForwardRecorder:
         if not call.measured and not stack and self.coverage.light:  # its boundaries count
             record.calls += 1
             if torch.is_grad_enabled():  # the end of its backward may close the iteration
-                self._roots.watch(record.name, not module.training, None, tensors_in(output))
+                self._roots.watch_light(record.name, not module.training, tensors_in(output))
             self.coverage.aside(started)
             return
         self._ended(module, call, allocated, output)

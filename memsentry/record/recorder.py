@@ -243,7 +243,10 @@ class Recorder:
         if not self.active or not self._owner.mine():
             return
         self._forward.settle_stack()
-        if not self._signals.module_seen:
+        signalled = self._roots.pass_seen()
+        if not self._signals.module_seen or (self._roots.thinned and not signalled
+                                             and self._signals.signal is Boundary.FORWARD):
+            # (a backward that reached only calls left unwatched ends an iteration too)
             if self._sampler.backend is None:  # no module ran to pick the device
                 self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)

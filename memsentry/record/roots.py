@@ -5,6 +5,7 @@ forward whose graph no backward used by the end of its iteration wasted what it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,6 +18,16 @@ from memsentry.usercode.frames import user_site
 
 #: Outermost calls watched at once before the oldest are judged without a boundary.
 MAX_RUNNING = 10_000
+#: In light iterations, the calls of one module watched in each doubling of its calls (all of
+#: its first 2 * WATCHED, then every second, every fourth...): a module called 25,000 times
+#: has about 600 of its calls watched.
+WATCHED = 64
+
+
+def watched(calls: int) -> bool:
+    """Whether a module's ``calls``-th light call is watched (see :data:`WATCHED`)."""
+    stride = 1 << max(0, (calls // WATCHED).bit_length() - 1)
+    return calls % stride == 0
 
 
 class RootCall:
@@ -53,6 +64,7 @@ class RootCall:
             eval_calls=(known.eval_calls if known else 0) + self.eval_mode,
             saved_bytes=saved,
             where=known.where if known and known.where else self.where,
+            unwatched=known.unwatched if known else 0,
         )
 
 
@@ -65,9 +77,40 @@ class RootCalls:
     def __init__(self, clock: IterationClock,
                  backward_done: Callable[[], None] | None = None) -> None:
         self._clock = clock
-        self._pass_end = PassEnd(backward_done) if backward_done is not None else None
+        self._backward_done = backward_done
+        self._pass_end = PassEnd(self._passed) if backward_done is not None else None
+        self._pass_seen = False  # a backward pass reached a watched call since last asked
         self._running: list[RootCall] = []
         self._unused: dict[str, UnusedGraph] = {}
+        self.thin = False  # light calls are watched thinned out (see :data:`WATCHED`)
+        self._light: dict[str, int] = {}  # light calls with autograd on, by module
+        self._unwatched: dict[str, int] = {}  # of those, the ones not watched
+
+    def _passed(self) -> None:
+        self._pass_seen = True
+        assert self._backward_done is not None
+        self._backward_done()
+
+    def pass_seen(self) -> bool:
+        """Whether a backward pass reached a watched call since the last time this was asked
+        (the end of that pass was reported)."""
+        seen, self._pass_seen = self._pass_seen, False
+        return seen
+
+    @property
+    def thinned(self) -> bool:
+        """Whether some calls were left unwatched (a backward may have reached only those)."""
+        return bool(self._unwatched)
+
+    def watch_light(self, name: str, eval_mode: bool, outputs: list[torch.Tensor]) -> None:
+        """An outermost call of a light iteration ended with autograd on: watched like any
+        other, or with :attr:`thin` only as :func:`watched` says (counted otherwise)."""
+        if self.thin:
+            calls = self._light[name] = self._light.get(name, 0) + 1
+            if not watched(calls):
+                self._unwatched[name] = self._unwatched.get(name, 0) + 1
+                return
+        self.watch(name, eval_mode, None, outputs)
 
     def watch(self, name: str, eval_mode: bool, saved: int | None,
               outputs: list[torch.Tensor]) -> None:
@@ -105,9 +148,11 @@ class RootCalls:
         self._running = [c for c in self._running if c.generation < self._clock.index]
 
     def unused(self) -> tuple[UnusedGraph, ...]:
-        """Settled unused graphs plus those of the running iteration that are still unused."""
+        """Settled unused graphs plus those of the running iteration that are still unused,
+        each with the calls of its module left unwatched."""
         unused = dict(self._unused)
         for call in self._running:
             if not call.used and call.name not in unused:
                 unused[call.name] = call.fold_into(None)
-        return tuple(unused.values())
+        return tuple(replace(graph, unwatched=self._unwatched.get(graph.module, 0))
+                     for graph in unused.values())

@@ -65,6 +65,7 @@ class Timeline:
     stride: int = 1
     dropped: int = 0
     merged: int = 0  # iterations the last close merged into the one it closed
+    merged_sampled: int = 0  # of those, the sampled ones
 
     def add(self, item: IterationStats) -> None:
         if item.index % self.stride and item.boundary != Boundary.EXIT:  # the end is kept
@@ -88,6 +89,7 @@ class Timeline:
                     break
                 parts.insert(0, item)
         self.merged = len(parts)
+        self.merged_sampled = sum(part.sampled for part in parts)
         if not parts:
             self.add(closing)
             return None

@@ -32,6 +32,11 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
             f"`{unused.module}` ran {unused.calls:,} forward passes with autograd on{caller} "
             f"({mode}) whose graphs no backward used"
         )
+        if unused.unwatched:
+            message += (
+                f" (memsentry watched only some of its calls, to keep to its budget: "
+                f"{unused.unwatched:,} more were not judged)"
+            )
         if unused.saved_bytes is not None:
             message += (
                 f"; each kept up to {format_bytes(unused.saved_bytes)} saved for backward "

@@ -1,0 +1,185 @@
+"""What an object holds, as a census walk meets it: a container's items, an object's
+attributes and slots, a module's submodules, what a callable captured, a traceback's frame
+locals; and the values with nothing to find inside (numbers, strings, and large containers of
+them, checked in bulk)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memsentry.model import StepKind
+from memsentry.usercode.frames import MACHINERY, is_user_class, root_package
+
+_ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
+          type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
+
+
+def atomic(obj: Any) -> bool:
+    """Nothing to find inside (numbers, strings, dtypes) or nothing safe to look at (a weak
+    proxy whose object is gone raises on any access)."""
+    try:
+        return isinstance(obj, _ATOMS)
+    except Exception:
+        return True
+
+
+#: A child as the walk meets it: (step kind, the raw step: an attribute's name, a dict key, an
+#: index, a frame-kept local's (function, name); the child; whether it is positional). The
+#: typed :class:`Step` is built only when the child extends a path.
+Child = tuple[StepKind, Any, Any, bool]
+
+
+def _traceback_locals(tb: types.TracebackType | None, live: set[int]) -> Iterator[Child]:
+    """The locals of the finished frames a traceback keeps (frames still running are roots of
+    their own, and reading theirs here would keep a snapshot alive)."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if id(frame) not in live:
+            function = frame.f_code.co_name
+            for name, value in list(frame.f_locals.items()):
+                yield StepKind.FRAME_LOCAL, (function, name), value, True
+        tb = tb.tb_next
+
+
+def _attributes(obj: Any) -> Iterator[Child]:
+    """An object's instance attributes, from its ``__dict__`` and its slots."""
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict):
+        for name, value in list(attributes.items()):
+            yield StepKind.ATTRIBUTE, name, value, False
+    for name in getattr(type(obj), "__slots__", ()):
+        if isinstance(name, str) and hasattr(obj, name):
+            yield StepKind.ATTRIBUTE, name, getattr(obj, name), False
+
+
+def _module_attributes(module: nn.Module) -> Iterator[Child]:
+    """A module's submodules and its own attributes (not nn.Module's bookkeeping)."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield StepKind.ATTRIBUTE, name, child, False
+    for name, value in list(vars(module).items()):
+        if name not in _MODULE_INTERNALS:
+            yield StepKind.ATTRIBUTE, name, value, False
+
+
+def _items(obj: Any) -> Iterator[Child]:
+    """A container's items: string keys extend the path, the rest are positional."""
+    if isinstance(obj, dict):
+        for key, value in list(obj.items()):
+            yield StepKind.KEY, key, value, not isinstance(key, str)
+    elif isinstance(obj, set | frozenset):
+        for value in list(obj):
+            yield StepKind.MEMBER, None, value, True
+    else:
+        for index, value in enumerate(list(obj)):
+            yield StepKind.INDEX, index, value, True
+
+
+#: Containers longer than this are walked after everything else.
+LARGE = 4096
+#: Containers longer than this are first checked at C speed for anything but plain values.
+BULK = 256
+_ATOM_TYPES = frozenset(t for t in _ATOMS if isinstance(t, type))
+
+
+def only_atoms(obj: Any) -> bool:
+    """A large list, tuple, set or dict holding only numbers, strings and the like, or
+    records of them (a replay buffer's tuples of floats and NumPy arrays): nothing to walk
+    into (three million floats are checked in tens of milliseconds, not seconds)."""
+    if not isinstance(obj, _CONTAINERS) or len(obj) <= BULK:
+        return False
+    try:
+        kinds = set(map(type, obj.values())) | set(map(type, obj)) if isinstance(obj, dict) \
+            else set(map(type, obj))
+        if kinds <= _ATOM_TYPES:
+            return True
+        if isinstance(obj, dict) or not kinds <= _RECORDS | _ATOM_TYPES:
+            return False
+        fields = list(itertools.chain.from_iterable(
+            item for item in obj if type(item) in _RECORDS))
+        return _plain_values(fields)
+    except Exception:  # changed size while read: walk it item by item
+        return False
+
+
+#: The records whose fields :func:`only_atoms` checks in bulk.
+_RECORDS = frozenset((tuple, list))
+
+
+def _plain_values(values: list[Any]) -> bool:
+    """Whether ``values`` are all atoms or NumPy arrays of numbers that own their memory
+    (an array viewing a tensor's storage, ``tensor.numpy()``, has that tensor as its base)."""
+    kinds = set(map(type, values))
+    if kinds <= _ATOM_TYPES:
+        return True
+    numpy = sys.modules.get("numpy")
+    array = getattr(numpy, "ndarray", None)
+    if array is None or not kinds <= _ATOM_TYPES | {array}:
+        return False
+    return all(value.base is None and not value.dtype.hasobject
+               for value in values if type(value) is array)
+
+
+def children(obj: Any, live: set[int]) -> Iterator[Child]:
+    """What ``obj`` holds (see :data:`Child`); positional children (sequence indices, set
+    members, non-string keys, a traceback's frame locals) belong to the holder above."""
+    if isinstance(obj, types.TracebackType):
+        return _traceback_locals(obj, live)
+    if isinstance(obj, _CONTAINERS):
+        inner = _items(obj)
+    elif isinstance(obj, nn.Module):
+        inner = _module_attributes(obj)
+    else:
+        inner = _attributes(obj)
+    if isinstance(obj, BaseException) and obj.__traceback__ is not None:
+        traceback: Child = (StepKind.ATTRIBUTE, "__traceback__", obj.__traceback__, False)
+        return itertools.chain((traceback,), inner)
+    return inner
+
+
+#: Callables whose captured values are walked: a function's defaults and closure cells, a
+#: bound method's object, a ``functools.partial``'s function and arguments.
+CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def walks_into(obj: Any) -> bool:
+    """A callable of the user's code, whose captured values may hold tensors."""
+    if isinstance(obj, types.FunctionType):
+        return root_package(obj.__module__) not in MACHINERY
+    if isinstance(obj, types.MethodType):
+        return walks_into(obj.__func__) or is_user_class(type(obj.__self__))
+    return isinstance(obj, functools.partial)
+
+
+def captured(obj: Any) -> Iterator[Child]:
+    """What a callable keeps alive, spelled as Python reaches it (``record.__defaults__[0]``,
+    ``log.__closure__[0].cell_contents``, ``step.__self__``, ``fn.args``)."""
+    if isinstance(obj, types.FunctionType):
+        for index, value in enumerate(obj.__defaults__ or ()):
+            yield StepKind.ATTRIBUTE, f"__defaults__[{index}]", value, False
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            yield StepKind.ATTRIBUTE, f"__kwdefaults__[{name!r}]", value, False
+        for index, cell in enumerate(obj.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield StepKind.ATTRIBUTE, f"__closure__[{index}].cell_contents", value, False
+    elif isinstance(obj, types.MethodType):
+        yield StepKind.ATTRIBUTE, "__self__", obj.__self__, False
+        yield StepKind.ATTRIBUTE, "__func__", obj.__func__, False
+    else:
+        yield StepKind.ATTRIBUTE, "func", obj.func, False
+        yield StepKind.ATTRIBUTE, "args", obj.args, False
+        yield StepKind.ATTRIBUTE, "keywords", obj.keywords, False

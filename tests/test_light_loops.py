@@ -1,0 +1,150 @@
+"""Loops of many small steps kept within the budget: an agent that fills a replay buffer with
+inference calls before its first optimizer step, then trains. The iterations merged when the
+optimizer appears are counted right, inference calls are watched thinned out (and the finding
+says so), and a census walks a buffer of plain records at C speed."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import memsentry
+from memsentry.census.children import only_atoms
+
+pytestmark = pytest.mark.in_turn  # these tests keep the budget's timing
+
+
+class Agent(nn.Module):
+    """Acts through ``self.forward`` (as many RL scripts do), so its layers are the outermost
+    calls memsentry sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(4, 32), nn.Linear(32, 32), nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+    def act(self, obs: np.ndarray) -> int:
+        return int(self.forward(torch.from_numpy(obs)).argmax().item())  # autograd on
+
+
+def play(agent: Agent, *, warmup: int, updates: int) -> tuple[list[float], int]:
+    """``warmup`` acting steps into a replay buffer, then ``updates`` episodes of 5 acting
+    steps and 2 Adam steps each; the losses and the optimizer steps taken."""
+    rng = np.random.default_rng(0)
+    random.seed(0)
+    buffer: collections.deque[tuple[np.ndarray, int, float, np.ndarray, float]] = \
+        collections.deque(maxlen=5000)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    obs = rng.standard_normal(4).astype(np.float32)
+
+    def step() -> None:
+        nonlocal obs
+        action = agent.act(obs)
+        following = rng.standard_normal(4).astype(np.float32)
+        buffer.append((obs, action, float(rng.random()), following, 1.0))
+        obs = following
+
+    for _ in range(warmup):
+        step()
+    losses, steps = [], 0
+    for _ in range(updates):
+        for _ in range(5):
+            step()
+        for _ in range(2):
+            batch = random.sample(buffer, 16)
+            states = torch.from_numpy(np.stack([b[0] for b in batch]))
+            rewards = torch.tensor([b[2] for b in batch])
+            loss = (agent(states).max(1).values - rewards).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            losses.append(loss.item())
+    return losses, steps
+
+
+def test_an_agent_that_acts_before_it_learns_is_tracked_within_its_budget() -> None:
+    torch.manual_seed(0)
+    plain_agent = Agent()
+    plain, steps = play(plain_agent, warmup=600, updates=40)
+    torch.manual_seed(0)
+    agent = Agent()
+    with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
+        tracked, _ = play(agent, warmup=600, updates=40)
+    assert tracked == plain
+    assert all(torch.equal(a, b) for a, b in
+               zip(plain_agent.state_dict().values(), agent.state_dict().values(), strict=True))
+    report = t.report()
+    cost = report.cost
+    assert cost is not None
+    # The acting steps before the first optimizer step are part of its iteration: one
+    # iteration per optimizer step, and no more sampled iterations than iterations.
+    assert cost.iterations == steps
+    assert 0 <= cost.sampled <= cost.iterations
+    (note,) = [n for n in report.notes if "kept to its budget" in n]
+    assert f"in {cost.sampled:,} of {cost.iterations:,} iterations" in note
+    # The acting calls run with autograd on and no backward uses them: found, from the
+    # calls memsentry watched, and the finding says how many it did not judge.
+    wastes = [f for f in report.findings if f.rule == "missing-no-grad"]
+    assert wastes
+    assert any("more were not judged" in f.message for f in wastes)
+    assert all(f.objects is not None and f.objects < 600 + 40 * 5 for f in wastes)
+    assert not [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+
+
+def test_a_backward_through_unwatched_calls_still_ends_an_iteration() -> None:
+    """No optimizer: the ends of backward passes close the iterations, found through the
+    watched calls; when memsentry watched none of a pass's calls, the pass still counts."""
+    torch.manual_seed(0)
+    agent = Agent()
+    obs = np.ones(4, dtype=np.float32)
+    with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
+        for _ in range(400):  # acting only, each call a FORWARD boundary
+            agent.act(obs)
+        for _ in range(6):  # then updates by hand, through the same outermost calls
+            loss = agent.forward(torch.ones(8, 4)).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in agent.parameters():
+                    p -= 1e-3 * p.grad
+                    p.grad = None
+    cost = t.report().cost
+    assert cost is not None
+    # The 400 acting calls merge into the first pass's iteration; each pass is one.
+    assert cost.iterations == 6
+    assert 0 <= cost.sampled <= cost.iterations
+
+
+def test_a_buffer_of_plain_records_is_skipped_in_bulk() -> None:
+    floats = np.zeros(4, dtype=np.float32)
+    records = [(floats.copy(), 1, 0.5, floats.copy(), True) for _ in range(1000)]
+    assert only_atoms(records)
+    assert only_atoms(collections.deque(records))
+    # Anything that may hold a tensor is walked item by item.
+    assert not only_atoms([*records, (floats, torch.ones(2))])
+    assert not only_atoms([*records, (torch.ones(2).numpy(), 1)])  # a tensor's storage
+    assert not only_atoms([*records, (np.array([torch.ones(1)], dtype=object), 1)])
+    assert not only_atoms(records[:100])  # small: walked as before
+
+
+def test_a_buffer_that_keeps_graphs_in_its_records_is_named() -> None:
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    replay: list[tuple[np.ndarray, float, torch.Tensor]] = [
+        (np.zeros(4, dtype=np.float32), 0.0, torch.zeros(1)) for _ in range(400)]
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(12):
+            loss = model(torch.randn(16, 4)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            replay.append((np.zeros(4, dtype=np.float32), 1.0, loss))  # keeps the graph
+    leaks = [f for f in t.report().findings if f.severity is memsentry.Severity.LEAK]
+    assert any("`replay`" in f.message for f in leaks), [f.message for f in leaks]
