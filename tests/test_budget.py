@@ -135,15 +135,15 @@ def test_the_budget_pays_for_a_sampled_iteration_only_when_it_can() -> None:
 
 
 def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A program's start is part of its wall time: 10% of it (of 10 s at most) pays for the
-    # first censuses. A second tracker started right after the first ended finds almost no
-    # untracked time; one nested in a running tracker finds none.
+    # A program's start is part of its wall time: 5% of it (of 10 s at most) pays for the
+    # first censuses and sampled iterations. A second tracker started right after the first
+    # ended finds almost no untracked time; one nested in a running tracker finds none.
     untracked = budget_module._Untracked()
     monkeypatch.setattr(budget_module, "UNTRACKED", untracked)
     monkeypatch.setattr(budget_module, "process_age", lambda: 3.0)
     first = Budget(0.05)
     first.open()
-    assert first.credit == pytest.approx(0.3)
+    assert first.credit == pytest.approx(0.15)
     nested = Budget(0.05)
     nested.open()
     assert nested.credit == 0.0
@@ -154,3 +154,32 @@ def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPa
     assert again.credit < 0.01
     again.close()
     assert not untracked.running
+
+
+def test_judging_and_measuring_share_one_account() -> None:
+    budget = Budget(0.1, credit=0.0)
+    for _ in range(3):
+        budget.end_iteration(0.01)  # 30 ms of loop: 3 ms in the account
+    assert budget.bank == pytest.approx(0.003)
+    budget.charge(budget_module.CENSUSES, 0.002, inside=False)
+    assert budget.bank == pytest.approx(0.001)  # a census spent what measuring would have
+    assert budget.afford(0.001) and not budget.afford(0.0015)
+    budget.reserved = 0.001  # a census waits for the account: measuring leaves it be
+    assert budget.bank == pytest.approx(0.0)
+
+
+def test_a_sampled_iteration_that_overdraws_stops_measuring() -> None:
+    budget = Budget(0.1, credit=0.0)
+    for _ in range(3):  # the first three are measured whatever they cost
+        budget.charge(budget_module.HOOKS, 0.05)
+        assert not budget.overdrawn()
+        budget.end_iteration(0.1)
+    while budget.light:  # the account refills
+        budget.end_iteration(0.1)
+    assert not budget.overdrawn()
+    budget.charge(budget_module.HOOKS, budget.bank + 0.001)  # an episode longer than the last
+    assert budget.overdrawn()
+    budget.end_iteration(0.2)
+    # That iteration stopped half way: its cost says only that a whole one costs more, so
+    # the price of the next sampled iteration does not fall.
+    assert budget.short() > 0

@@ -148,3 +148,34 @@ def test_a_buffer_that_keeps_graphs_in_its_records_is_named() -> None:
             replay.append((np.zeros(4, dtype=np.float32), 1.0, loss))  # keeps the graph
     leaks = [f for f in t.report().findings if f.severity is memsentry.Severity.LEAK]
     assert any("`replay`" in f.message for f in leaks), [f.message for f in leaks]
+
+
+def test_light_inference_hooks_only_the_module_that_ends_iterations() -> None:
+    """Inference, no optimizer: the next call of the first outermost module ends an
+    iteration. In light iterations only that module keeps memsentry's hooks: the global
+    hooks come off without a model, and the other outermost layers of a model entered
+    through ``.forward()`` lose theirs."""
+    from torch.nn.modules import module as module_globals
+
+    agent = Agent()
+    obs = np.ones(4, dtype=np.float32)
+    before = len(module_globals._global_forward_pre_hooks)
+    seen: list[tuple[int, bool, bool, bool]] = []
+
+    def hooked() -> tuple[int, bool, bool, bool]:
+        """memsentry's global hooks, and which layers the loop calls carry a hook."""
+        return (len(module_globals._global_forward_pre_hooks) - before,
+                *(bool(m._forward_pre_hooks) for m in (agent.fc1, agent.fc2, agent.out)))
+
+    for model in (None, agent):
+        seen.clear()
+        with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+            for _ in range(300):
+                agent.act(obs)
+                seen.append(hooked())
+        cost = t.report().cost
+        assert cost is not None and cost.iterations == 299  # and the partial one at the end
+        measured = (1, False, False, False) if model is None else (0, True, True, True)
+        assert seen[0] == measured
+        assert seen[-1] == (0, True, False, False)  # light: `fc1` alone
+        assert hooked() == (0, False, False, False)

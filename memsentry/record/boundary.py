@@ -92,6 +92,14 @@ class Boundaries:
             self._budget.end_iteration(time.perf_counter() - self._clock.started, self._passed)
             self.skip = self._passed = 0
 
+    def end(self) -> None:
+        """Tracking ends: the passed boundaries count, and the partial iteration at the end
+        is closed when it ran module calls, or when none could be seen (a bare light
+        iteration hooks no module), or when no iteration ended at all."""
+        self.finish()
+        if self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
+            self.close(Boundary.EXIT)
+
     def close(self, boundary: Boundary, *, merge: bool = False) -> None:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
@@ -187,6 +195,13 @@ class Boundaries:
                 and not self._forward.stack
                 and self._signals.signal in (Boundary.OPTIMIZER, Boundary.STEP))
 
+    def _lean(self) -> Any:
+        """The one module the next iteration hooks, when it is light and the calls of the
+        first outermost module end iterations (``None`` otherwise)."""
+        if not self._budget.light or self._signals.signal is not Boundary.FORWARD:
+            return None
+        return self._signals.first()
+
     def aside(self, started: float) -> None:
         """Work of memsentry's since ``started`` at a boundary (the alarm rewriting the
         report file): charged to the budget's judging, and not the loop's time."""
@@ -224,7 +239,7 @@ class Boundaries:
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
             self._budget.end_iteration(seconds, iterations)
-        self._forward.hooks.follow(bare=self._bare())
+        self._forward.hooks.follow(bare=self._bare(), lean=self._lean())
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).
         self._roots.thin = self._signals.signal in (Boundary.FORWARD, Boundary.OPTIMIZER,

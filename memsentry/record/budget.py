@@ -3,26 +3,30 @@
 Every part of memsentry's work is clocked into one ledger: the module hooks (and what PyTorch
 adds to a call for having hooks at all), the saved-tensor and backward hooks, the work at
 iteration boundaries, reading the four parts, the holder searches (censuses) and running the
-rules while the loop runs. The budget is a share of the loop's own time, kept like two bank
-accounts: each iteration of the loop pays ``share`` times its own time into each.
+rules while the loop runs. The budget is a share of the loop's own time, kept like one bank
+account: each iteration of the loop pays ``share`` times its own time into it, and both kinds
+of work are paid from it.
 
-- *Measuring* (hooks, boundaries, parts) is paid from the first. An iteration is *sampled*
+- *Judging* (censuses, and the rules run on their results) comes first: a census that is due
+  waits until the account holds what the last one cost (the seven of iterations 2 to 34 are
+  taken when due, whatever it holds: they decide a short run's trends), and while it waits,
+  that sum is put aside for it.
+- *Measuring* (hooks, boundaries, parts) is paid from the rest. An iteration is *sampled*
   (every layer call measured, saved tensors and backwards attributed, the parts read) when
-  that account holds what a sampled iteration costs over a light one; otherwise it is
-  *light*: only its boundaries are read, some of them, and no module keeps a hook.
-- *Judging* (censuses, and the rules run on their results) is paid from the second: a census
-  that is due waits until the account holds what the last one cost (the seven of iterations
-  2 to 34 are taken when due, whatever it holds: they decide a short run's trends). A
-  program's start
-  (Python, importing torch: 1 to 3 s on this project's machines) is part of its wall time, so
-  this account starts with :data:`STARTUP_SHARE` of the time the process ran untracked since
-  it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of it at most):
-  the first censuses of a short run are paid for at once, and the whole program stays
-  within 1.1 times its time without memsentry, however many trackers it runs.
+  the account holds what a sampled iteration costs over a light one; otherwise it is
+  *light*: only its boundaries are read, some of them, and no module keeps a hook (or only
+  the module whose calls end its iterations). A sampled iteration that spends more than the
+  account held counts its remaining calls instead of measuring them.
 
-So whatever the step size, memsentry's time stays near ``share`` of the loop's for each, and
-a loop of large steps (where measuring costs little next to the step) is sampled in every
-iteration.
+A program's start (Python, importing torch: 1 to 3 s on this project's machines) is part of
+its wall time, so the account starts with :data:`STARTUP_SHARE` of the time the process ran
+untracked since it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of
+it at most): the first censuses and sampled iterations of a short run are paid for at once,
+and the whole program stays within 1.1 times its time without memsentry, however many
+trackers it runs.
+
+So whatever the step size, memsentry's time stays near ``share`` of the loop's, and a loop of
+large steps (where measuring costs little next to the step) is sampled in every iteration.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ LEDGER = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, CENSUSES, ANALYSIS)
 #: Seconds of the program's life before tracking began that the censuses' account is
 #: credited for, at most, and the share of them it may spend.
 STARTUP_CREDIT = 10.0
-STARTUP_SHARE = 0.1
+STARTUP_SHARE = 0.05
 #: What measuring and judging are charged to.
 MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS)
 JUDGING = (CENSUSES, ANALYSIS)
 #: Iterations sampled whatever they cost, so every layer has figures from the start.
 SAMPLED_FIRST = 3
+#: How the price of a sampled iteration falls back after a dear one: by this factor at each
+#: sampled iteration that cost less.
+SAMPLED_DECAY = 0.8
 #: What PyTorch adds to a module call for having a pre and a post hook that return at once
 #: (5.9 us, measured on this project's CI machine).
 DISPATCH = 6e-6
@@ -115,7 +122,8 @@ class Budget:
         self.light = False
         self.loop = 0.0  # the loop's own seconds so far
         self._given = credit  # the untracked seconds to credit (None: as the process ran)
-        self.credit = 0.0  # seconds judging may spend before the loop earned any
+        self.credit = 0.0  # seconds memsentry may spend before the loop earned any
+        self.reserved = 0.0  # put aside for a census that waits for the account
         if credit is not None:
             self.credit = STARTUP_SHARE * min(credit, STARTUP_CREDIT)
         self._open = False
@@ -127,7 +135,8 @@ class Budget:
         self.iterations = 0
         self.sampled = 0
         self.deferred = 0
-        self._sampled_cost = 0.0  # own seconds of the last sampled iteration
+        self._sampled_cost = 0.0  # own seconds a sampled iteration may cost (see below)
+        self._cut = False  # the running sampled iteration stopped measuring (overdrawn)
         self._light_cost = 0.0  # own seconds of the last light one
 
     def open(self) -> None:
@@ -161,17 +170,30 @@ class Budget:
         self.charge(part, time.perf_counter() - started, events)
 
     @property
-    def bank(self) -> float:
-        """Seconds memsentry may still spend measuring (``inf`` without a limit)."""
+    def held(self) -> float:
+        """Seconds the account holds (``inf`` without a limit)."""
         if self.share is None:
             return math.inf
-        return self.share * self.loop - self.spent
+        return self.share * self.loop + self.credit - self.spent - self.judged
+
+    @property
+    def bank(self) -> float:
+        """Seconds memsentry may still spend measuring: what the account holds less what a
+        waiting census needs (``inf`` without a limit)."""
+        return self.held - self.reserved
+
+    def overdrawn(self) -> bool:
+        """Whether a sampled iteration (past the first ones, always measured) has spent
+        more than the budget held: its remaining calls are counted, not measured (an
+        episode far longer than the last one sampled)."""
+        if self.share is None or self.iterations < SAMPLED_FIRST or self.bank >= 0:
+            return False
+        self._cut = True
+        return True
 
     def afford(self, seconds: float) -> bool:
         """Whether judging (a census, the rules after it) can spend ``seconds`` now."""
-        if self.share is None:
-            return True
-        return self.share * self.loop + self.credit - self.judged >= seconds
+        return self.held >= seconds
 
     # -- iterations ----------------------------------------------------------------------
     def end_iteration(self, seconds: float, iterations: int = 1) -> None:
@@ -185,7 +207,13 @@ class Budget:
             self._light_cost = own / iterations
         else:
             self.sampled += 1
-            self._sampled_cost = own
+            # Iterations of one loop differ (an RL episode's acting, then its updates): the
+            # dearest recent one sets the price, or one dear iteration after cheap ones
+            # would overdraw the budget each time the bank refills.
+            # One that stopped measuring half way says only that a whole one costs more.
+            decay = 1.0 if self._cut else SAMPLED_DECAY
+            self._sampled_cost = max(own, decay * self._sampled_cost)
+        self._cut = False
         self.light = not (self.iterations < SAMPLED_FIRST or self.short() <= 0)
 
     def merged(self, iterations: int, sampled: int) -> None:

@@ -68,7 +68,7 @@ class Coverage:
         """Whether the call of layer ``index`` is measured in this iteration."""
         if index >= self.layers:
             return True  # a layer first seen in this iteration is measured
-        if self.budget.light:
+        if self.budget.light or self.budget.overdrawn():
             return False
         return self.size >= self.layers or (index - self.offset) % self.layers < self.size
 

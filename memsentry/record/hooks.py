@@ -6,7 +6,10 @@ A module with no hook costs the loop nothing, so the hooks follow what is measur
 
 - in a sampled iteration, the layers in the coverage window (:mod:`memsentry.record.coverage`)
   and the modules called outermost (the *anchors*: their calls mark iterations) are hooked;
-- in a light iteration, only the anchors;
+- in a light iteration, only the anchors; in a *lean* one (its end comes from the next call of
+  the first outermost module), only that module, whose calls end the iterations (a model
+  entered through ``.forward()`` has all its layers as anchors; without a model, the global
+  hooks come off and that module alone is hooked);
 - in a *bare* light iteration (the loop's iterations end at optimizer steps or ``t.step()``,
   and no census waits for the next iteration's first call), nothing: the boundaries alone
   keep the count.
@@ -56,6 +59,8 @@ class ModuleHooks:
         self._fixed: list[RemovableHandle] = []  # the TorchScript modules' global hooks
         self._model = False
         self.bare = False
+        self._lean: weakref.ref[nn.Module] | None = None  # the one module hooked when lean
+        self._lean_handles: tuple[RemovableHandle, RemovableHandle] | None = None
 
     # -- putting on and taking off -------------------------------------------------------
     def hook_model(self, model: nn.Module) -> None:
@@ -94,21 +99,24 @@ class ModuleHooks:
     def handles(self) -> list[RemovableHandle]:
         """memsentry's forward hooks on now (a census leaves them out of the user's)."""
         return [*(h for pair in self._modules.values() for h in pair), *self._global,
-                *self._fixed]
+                *self._fixed, *(self._lean_handles or ())]
 
     def remove_all(self) -> None:
         for handle in self.handles():
             handle.remove()
         self._modules.clear()
-        self._global, self._fixed = [], []
+        self._global, self._fixed, self._lean_handles = [], [], None
 
     # -- following the budget ------------------------------------------------------------
-    def follow(self, *, bare: bool) -> None:
+    def follow(self, *, bare: bool, lean: nn.Module | None = None) -> None:
         """At a boundary with no forward running: the hooks follow the window of measured
         layers; ``bare`` takes the anchors' (or the global) hooks off too, until the next
-        iteration that is not bare. Only the modules whose side changed are visited."""
-        if bare != self.bare:
+        iteration that is not bare; ``lean`` leaves that one module's alone. Only the modules
+        whose side changed are visited."""
+        leaned = self._lean() if self._lean is not None else None
+        if bare != self.bare or lean is not leaned:
             self.bare = bare
+            self._lean = weakref.ref(lean) if lean is not None and not bare else None
             self._follow_anchors()
         window = self._coverage.window()
         if window is None and self._window is None:
@@ -134,13 +142,9 @@ class ModuleHooks:
                 self._unhook(module, index)
 
     def _follow_anchors(self) -> None:
+        lean = self._lean() if self._lean is not None else None
         if not self._model:
-            if self.bare:
-                for handle in self._global:
-                    handle.remove()
-                self._global = []
-            else:
-                self.hook_global()
+            self._follow_global(lean)
             return
         modules = self._registry.by_index()
         for index in self.anchors:
@@ -148,8 +152,26 @@ class ModuleHooks:
             if module is None:
                 continue
             hooked = id(module) in self._modules
-            if self.bare and hooked:
+            wanted = not self.bare and (lean is None or module is lean)
+            if not wanted and hooked:
                 self._unhook(module, index)
-            elif not self.bare and not hooked and index in self._unhooked:
+            elif wanted and not hooked and index in self._unhooked:
                 self._unhooked.discard(index)
                 self._hook(module)
+
+    def _follow_global(self, lean: nn.Module | None) -> None:
+        """Without a model: the global hooks, or when lean that one module's."""
+        if self._lean_handles is not None and (self.bare or lean is None):
+            for handle in self._lean_handles:
+                handle.remove()
+            self._lean_handles = None
+        if self.bare or lean is not None:
+            for handle in self._global:
+                handle.remove()
+            self._global = []
+            if lean is not None and self._lean_handles is None:
+                self._lean_handles = (
+                    lean.register_forward_pre_hook(self._pre, prepend=fully_sharded(lean)),
+                    lean.register_forward_hook(self._post, always_call=True))
+        else:
+            self.hook_global()

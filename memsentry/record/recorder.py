@@ -178,10 +178,8 @@ class Recorder:
         if not self.active:
             return
         try:
-            self._boundaries.finish()
-            if self._sampler.backend is not None and (self._clock.calls
-                                                      or not self._timeline.items):
-                self._boundaries.close(Boundary.EXIT)
+            if self._sampler.backend is not None:
+                self._boundaries.end()
             # A census still pending would see the loop after it ended (its functions
             # returned, their locals gone): it is not taken.
             self._censuses.pending = None

@@ -138,6 +138,8 @@ class CensusSchedule:
                 self.ledger.deferred += 1
         if self.wanted and self.pending is None and self._affordable():
             self.pending, self.wanted = index, False
+        # A census waiting for the account has the first claim on it: measuring leaves it be.
+        self.ledger.reserved = self.last_cost if self.wanted else 0.0
 
     def _affordable(self) -> bool:
         """The first :data:`ALWAYS_TAKEN` censuses are taken when due whatever the budget;
@@ -185,6 +187,7 @@ class CensusSchedule:
         self.censuses = [c for c in self.censuses if c.iteration < iteration]
         self.pending = None
         self.wanted = False
+        self.ledger.reserved = 0.0
 
     def budget_notes(self) -> list[str]:
         """Searches that stopped at their budget."""

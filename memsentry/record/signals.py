@@ -53,6 +53,10 @@ class Signals:
             return False
         return first is module
 
+    def first(self) -> nn.Module | None:
+        """The first outermost module, while it lives (its next call is a FORWARD event)."""
+        return self._first() if self._first is not None else None
+
     @property
     def module_seen(self) -> bool:
         """Whether an outermost module call was seen (its backward passes close iterations)."""
