@@ -136,7 +136,7 @@ def test_the_budget_pays_for_a_sampled_iteration_only_when_it_can() -> None:
 
 def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # A program's start is part of its wall time: 5% of it (of 10 s at most) pays for the
-    # first censuses and sampled iterations. A second tracker started right after the first
+    # first censuses (measuring never spends it). A second tracker started right after the first
     # ended finds almost no untracked time; one nested in a running tracker finds none.
     untracked = budget_module._Untracked()
     monkeypatch.setattr(budget_module, "UNTRACKED", untracked)
@@ -157,13 +157,14 @@ def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPa
 
 
 def test_judging_and_measuring_share_one_account() -> None:
-    budget = Budget(0.1, credit=0.0)
+    budget = Budget(0.1, credit=10.0)  # 10 s untracked before: 0.5 s for censuses only
     for _ in range(3):
         budget.end_iteration(0.01)  # 30 ms of loop: 3 ms in the account
-    assert budget.bank == pytest.approx(0.003)
-    budget.charge(budget_module.CENSUSES, 0.002, inside=False)
-    assert budget.bank == pytest.approx(0.001)  # a census spent what measuring would have
-    assert budget.afford(0.001) and not budget.afford(0.0015)
+    assert budget.bank == pytest.approx(0.003)  # measuring never spends the credit
+    assert budget.afford(0.5) and not budget.afford(0.504)
+    budget.charge(budget_module.CENSUSES, 0.502, inside=False)
+    assert budget.bank == pytest.approx(0.001)  # past the credit, a census spent what
+    assert budget.afford(0.001) and not budget.afford(0.0015)  # measuring would have
     budget.reserved = 0.001  # a census waits for the account: measuring leaves it be
     assert budget.bank == pytest.approx(0.0)
 

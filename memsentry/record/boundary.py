@@ -172,19 +172,16 @@ class Boundaries:
     def _to_pass(self, each: float) -> int:
         """How many of the next boundaries only count (``each``: the loop's seconds per
         iteration): as many as keep closing light iterations (reading their boundary)
-        within :data:`READ_SHARE` of the budget, and no more than until the budget can pay
-        for a sampled iteration or a census falls due."""
+        within :data:`READ_SHARE` of the budget, and no more than until a census falls due;
+        none when the next iteration is sampled. (Passing fewer as the budget nears the
+        price of a sampled iteration would let the reading eat what sampling waits for.)"""
         share = self._budget.share
-        if share is None:
+        if share is None or self._budget.short() <= 0:
             return 0
         earned = share * max(each, 1e-9)  # what an iteration pays into the budget
         passes = math.ceil(self._close_cost / (READ_SHARE * earned)) - 1
-        short = self._budget.short()
-        if short <= 0:
-            return 0
         running = self._clock.index  # the iteration that began: its boundary is the first
-        passes = min(passes, math.ceil(short / earned) - 1, MAX_PASSED,
-                     next_census(running - 1) - running)
+        passes = min(passes, MAX_PASSED, next_census(running - 1) - running)
         return max(0, passes)
 
     def _bare(self) -> bool:

@@ -19,11 +19,11 @@ of work are paid from it.
   account held counts its remaining calls instead of measuring them.
 
 A program's start (Python, importing torch: 1 to 3 s on this project's machines) is part of
-its wall time, so the account starts with :data:`STARTUP_SHARE` of the time the process ran
+its wall time, so judging has a credit of :data:`STARTUP_SHARE` of the time the process ran
 untracked since it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of
-it at most): the first censuses and sampled iterations of a short run are paid for at once,
-and the whole program stays within 1.1 times its time without memsentry, however many
-trackers it runs.
+it at most): the first censuses of a short run are paid for at once, and the whole program
+stays within 1.1 times its time without memsentry, however many trackers it runs.
+Measuring never spends the credit.
 
 So whatever the step size, memsentry's time stays near ``share`` of the loop's, and a loop of
 large steps (where measuring costs little next to the step) is sampled in every iteration.
@@ -178,9 +178,12 @@ class Budget:
 
     @property
     def bank(self) -> float:
-        """Seconds memsentry may still spend measuring: what the account holds less what a
-        waiting census needs (``inf`` without a limit)."""
-        return self.held - self.reserved
+        """Seconds memsentry may still spend measuring: what the account holds less the
+        credit judging has not spent (the credit is for censuses) and what a waiting census
+        needs (``inf`` without a limit)."""
+        if self.share is None:
+            return math.inf
+        return self.held - max(0.0, self.credit - self.judged) - self.reserved
 
     def overdrawn(self) -> bool:
         """Whether a sampled iteration (past the first ones, always measured) has spent

@@ -78,6 +78,8 @@ _STEP_WRAPPER = optimizer_module.__file__
 def nested_step(optimizer: torch.optim.Optimizer, frames: int = 12) -> bool:
     """Whether this step of ``optimizer`` runs inside another step of it: a subclass whose
     ``step`` calls ``super().step()`` runs PyTorch's step hooks once for each (one step)."""
+    if not _steps_nest(type(optimizer)):
+        return False
     frame: types.FrameType | None = sys._getframe(2)
     seen = 0
     while frame is not None and frames:
@@ -89,6 +91,19 @@ def nested_step(optimizer: torch.optim.Optimizer, frames: int = 12) -> bool:
                 return True
         frame, frames = frame.f_back, frames - 1
     return False
+
+
+_NESTING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _steps_nest(kind: type) -> bool:
+    """Whether a step of optimizer class ``kind`` may run inside another: more than one class
+    of its MRO defines ``step`` (a step that calls ``super().step()``)."""
+    nests = _NESTING.get(kind)
+    if nests is None:
+        nests = _NESTING[kind] = sum("step" in vars(klass) for klass in kind.__mro__
+                                     if klass is not torch.optim.Optimizer) > 1
+    return nests
 
 
 class Recorder:
