@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memsentry.model import Boundary, IterationStats
 from memsentry.record.backward import BackwardTimer
@@ -29,6 +29,9 @@ from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import FIRST_CENSUS, CensusSchedule, census_due
 from memsentry.record.signals import Signals
 from memsentry.record.timeline import IterationClock, Timeline
+
+if TYPE_CHECKING:
+    from torch import nn
 
 #: The share of the budget that reading light iterations' boundaries may take.
 READ_SHARE = 0.5
@@ -192,7 +195,7 @@ class Boundaries:
                 and not self._forward.stack
                 and self._signals.signal in (Boundary.OPTIMIZER, Boundary.STEP))
 
-    def _lean(self) -> Any:
+    def _lean(self) -> nn.Module | None:
         """The one module the next iteration hooks, when it is light and the calls of the
         first outermost module end iterations (``None`` otherwise)."""
         if not self._budget.light or self._signals.signal is not Boundary.FORWARD:
