@@ -21,7 +21,7 @@ from memsentry.usercode.frames import MACHINERY, is_user_class, root_package
 
 _ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
           type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
-_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
 
 
@@ -86,8 +86,6 @@ def _items(obj: Any) -> Iterator[Child]:
             yield StepKind.INDEX, index, value, True
 
 
-#: Containers longer than this are walked after everything else.
-LARGE = 4096
 #: Containers longer than this are first checked at C speed for anything but plain values.
 BULK = 256
 _ATOM_TYPES = frozenset(t for t in _ATOMS if isinstance(t, type))
@@ -97,7 +95,7 @@ def only_atoms(obj: Any) -> bool:
     """A large list, tuple, set or dict holding only numbers, strings and the like, or
     records of them (a replay buffer's tuples of floats and NumPy arrays): nothing to walk
     into (three million floats are checked in tens of milliseconds, not seconds)."""
-    if not isinstance(obj, _CONTAINERS) or len(obj) <= BULK:
+    if not isinstance(obj, CONTAINERS) or len(obj) <= BULK:
         return False
     try:
         kinds = set(map(type, obj.values())) | set(map(type, obj)) if isinstance(obj, dict) \
@@ -136,7 +134,7 @@ def children(obj: Any, live: set[int]) -> Iterator[Child]:
     members, non-string keys, a traceback's frame locals) belong to the holder above."""
     if isinstance(obj, types.TracebackType):
         return _traceback_locals(obj, live)
-    if isinstance(obj, _CONTAINERS):
+    if isinstance(obj, CONTAINERS):
         inner = _items(obj)
     elif isinstance(obj, nn.Module):
         inner = _module_attributes(obj)

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from memsentry.census.children import (
-    _CONTAINERS,
     CALLABLES,
-    LARGE,
+    CONTAINERS,
     Child,
     atomic,
     captured,
@@ -45,6 +44,8 @@ OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types
 _NOT_WALKED = frozenset({"memsentry", "pytest_memsentry", "_pytest", "pluggy", "xdist",
                          "execnet"})
 _MAX_DEPTH = 12
+#: Containers longer than this are walked after everything else.
+LARGE = 4096
 _CHECK_EVERY = 256
 
 
@@ -272,7 +273,7 @@ class Walk:
             holder.bytes += sum(self.count_bytes(p, parameters=True) for p in obj.parameters())
             return
         cls = type(obj)
-        if not isinstance(obj, _CONTAINERS):
+        if not isinstance(obj, CONTAINERS):
             if cls.__module__.startswith("torch.") and not isinstance(obj, nn.Module):
                 return
             self.add_class(cls)
@@ -283,7 +284,7 @@ class Walk:
                 self.holders[item.path].items = len(obj)
                 self.holders[item.path].bound = bound
         if item.depth < _MAX_DEPTH and not only_atoms(obj):
-            if isinstance(obj, _CONTAINERS) and len(obj) > LARGE:
+            if isinstance(obj, CONTAINERS) and len(obj) > LARGE:
                 self.large.append((item, obj, cls))
             else:
                 self._enqueue_children(item, obj, cls)

@@ -89,17 +89,14 @@ class Boundaries:
             return True
         return False
 
-    def finish(self) -> None:
-        """Tracking ends within a run of passed boundaries: they count as light iterations."""
+    def end(self) -> None:
+        """Tracking ends: the boundaries passed since the last closed iteration count as
+        light iterations, and the partial iteration at the end is closed when it ran module
+        calls, or when none could be seen (a bare light iteration hooks no module), or when
+        no iteration ended at all."""
         if self._passed:
             self._budget.end_iteration(time.perf_counter() - self._clock.started, self._passed)
             self.skip = self._passed = 0
-
-    def end(self) -> None:
-        """Tracking ends: the passed boundaries count, and the partial iteration at the end
-        is closed when it ran module calls, or when none could be seen (a bare light
-        iteration hooks no module), or when no iteration ended at all."""
-        self.finish()
         if self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
             self.close(Boundary.EXIT)
 

@@ -188,7 +188,8 @@ class Budget:
     def overdrawn(self) -> bool:
         """Whether a sampled iteration (past the first ones, always measured) has spent
         more than the budget held: its remaining calls are counted, not measured (an
-        episode far longer than the last one sampled)."""
+        episode far longer than the last one sampled). Marks the iteration as cut, so that
+        its cost does not lower the price of the next sampled one."""
         if self.share is None or self.iterations < SAMPLED_FIRST or self.bank >= 0:
             return False
         self._cut = True

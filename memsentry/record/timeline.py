@@ -64,8 +64,7 @@ class Timeline:
     items: list[IterationStats] = field(default_factory=list)
     stride: int = 1
     dropped: int = 0
-    merged: int = 0  # iterations the last close merged into the one it closed
-    merged_sampled: int = 0  # of those, the sampled ones
+    merged_sampled: int = 0  # sampled iterations the last close merged into the one it closed
 
     def add(self, item: IterationStats) -> None:
         if item.index % self.stride and item.boundary != Boundary.EXIT:  # the end is kept
@@ -88,7 +87,6 @@ class Timeline:
                 if not Signals.weaker(item.boundary, than=closing.boundary):
                     break
                 parts.insert(0, item)
-        self.merged = len(parts)
         self.merged_sampled = sum(part.sampled for part in parts)
         if not parts:
             self.add(closing)
