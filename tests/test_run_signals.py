@@ -168,8 +168,10 @@ def test_workers_forked_by_the_script_die_without_reports(tmp_path: Path) -> Non
     script.write_text(LOOP.replace("step = 0\n", textwrap.dedent("""\
         from torch.utils.data import DataLoader, TensorDataset
         loader = DataLoader(TensorDataset(torch.randn(10_000, 64)), batch_size=32,
-                            num_workers=2, multiprocessing_context="fork")
-        batches = iter(loader)
+                            num_workers=2, multiprocessing_context="fork",
+                            persistent_workers=True)
+        # Epoch after epoch: 313 batches last under a second, less than the test may wait.
+        batches = (batch for _ in iter(int, 1) for batch in loader)
         step = 0
         """)).replace("model(torch.randn(32, 64))", "model(next(batches)[0])"),
         encoding="utf-8")
