@@ -62,6 +62,12 @@ class Loop:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     iterations: int
 
+    def to(self, device: torch.device) -> Loop:
+        """The same loop on ``device`` (model, optimizer state and batch)."""
+        self.model.to(device)
+        self.inputs, self.targets = self.inputs.to(device), self.targets.to(device)
+        return self
+
     def step(self) -> None:
         loss = self.loss_fn(self.model(self.inputs), self.targets)
         self.optimizer.zero_grad()
@@ -124,7 +130,10 @@ def _memsentry(loop: Loop, out: dict[str, Any], *, watch: bool) -> Iterator[Call
 def _profiler(loop: Loop, out: dict[str, Any]) -> Iterator[Callable[[], None]]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU]
+    if loop.inputs.is_cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True) as prof:
         yield loop.step
     prof.key_averages()
 
@@ -154,12 +163,21 @@ MODES = {
 }
 
 
-def run_block(loop: Loop, mode: str) -> tuple[float, dict[str, Any]]:
+def _settle(loop: Loop) -> None:
+    """Wait for the device's queued work, so that a block's clock covers all of it."""
+    if loop.inputs.is_cuda:
+        torch.cuda.synchronize(loop.inputs.device)
+
+
+def run_block(loop: Loop, mode: str, iterations: int | None = None) -> tuple[float,
+                                                                           dict[str, Any]]:
     out: dict[str, Any] = {}
+    _settle(loop)
     started = time.perf_counter()
     with MODES[mode](loop, out) as step:
-        for _ in range(loop.iterations):
+        for _ in range(loop.iterations if iterations is None else iterations):
             step()
+        _settle(loop)
     return time.perf_counter() - started, out
 
 
@@ -186,12 +204,12 @@ def mallinfo_read_us() -> float:
 
 
 def measure(name: str, modes: list[str], rounds: int, seed: int,
-            iterations: int | None) -> dict[str, Any]:
+            iterations: int | None, device: torch.device) -> dict[str, Any]:
     torch.manual_seed(0)
-    loop = LOOPS[name](iterations)
+    loop = LOOPS[name](iterations).to(device)
     rng = random.Random(seed)
-    for mode in modes:  # one untimed block each: imports, first-call caches
-        run_block(loop, mode)
+    for mode in modes:  # one untimed block each (at most 200 steps): imports, first-call caches
+        run_block(loop, mode, min(loop.iterations, 200))
     walls: dict[str, list[float]] = {m: [] for m in modes}
     parts: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for _ in range(rounds):
@@ -205,6 +223,7 @@ def measure(name: str, modes: list[str], rounds: int, seed: int,
         print(f"  {name}: round done", file=sys.stderr, flush=True)
     base = walls["baseline"]
     result: dict[str, Any] = {"shape": loop.shape, "iterations": loop.iterations,
+                              "device": str(device),
                               "mallinfo_read_us": mallinfo_read_us(), "modes": {}}
     for mode in modes:
         ratios = [w / b for w, b in zip(walls[mode], base, strict=True)]
@@ -236,6 +255,12 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loops", default="tiny,mlp,transformer,wide")
@@ -244,18 +269,24 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=None,
                         help="iterations per block (default: per loop)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="where the loops run (cpu, cuda, cuda:1); default cpu")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     torch.set_num_threads(1)
     modes = ["baseline", *[m for m in args.modes.split(",") if m != "baseline"]]
     started = datetime.now(timezone.utc)
-    results = {name: measure(name, modes, args.rounds, args.seed, args.iterations)
+    results = {name: measure(name, modes, args.rounds, args.seed, args.iterations, device)
                for name in args.loops.split(",")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     header = (f"{started:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
               f"{platform.platform()}, Python {platform.python_version()}, torch "
-              f"{torch.__version__} (1 thread), memsentry at {commit}, rounds {args.rounds}")
+              f"{torch.__version__} (1 thread), memsentry at {commit}, rounds {args.rounds}, "
+              f"device {_device_name(device)}")
     print(header)
     print(table(results))
     if args.json:

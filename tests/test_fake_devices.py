@@ -121,16 +121,20 @@ class FakeCachingAllocator:
     """CUDA's caching allocator in miniature: requests round up to 512 bytes; small ones
     (up to 1 MiB) come from 2 MiB segments, larger ones from a 20 MiB segment (up to 10 MiB)
     or their own segment rounded to 2 MiB; freed blocks stay cached (reserved); the peak
-    counter only resets when asked; a segment beyond the device raises OutOfMemoryError."""
+    counter only resets when asked; a segment beyond the device raises OutOfMemoryError. Until
+    CUDA is initialised (``initialized``, set by the first allocation or by hand), the raw
+    statistics call refuses the device index, as torch's does."""
 
-    def __init__(self, total: int = 80 * 1024 * MiB) -> None:
+    def __init__(self, total: int = 80 * 1024 * MiB, *, initialized: bool = True) -> None:
         self.total = total
+        self.initialized = initialized
         self.allocated = self.reserved = self.peak = 0
         self.cached = {"small": 0, "large": 0}
         self.resets = 0
         self.observers: list[Callable[[int, int, int, int], None]] = []
 
     def malloc(self, size: int) -> int:
+        self.initialized = True
         size = -(-size // 512) * 512
         pool = "small" if size <= MiB else "large"
         if self.cached[pool] < size:
@@ -155,6 +159,8 @@ class FakeCachingAllocator:
         self.cached["small" if size <= MiB else "large"] += size
 
     def nested(self, index: int) -> dict[str, dict[str, dict[str, int]]]:
+        if not self.initialized:
+            raise RuntimeError("Invalid device argument")
         return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
                 "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved}}}
 
@@ -169,6 +175,9 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
 
     for name, value in {
         "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+        "is_initialized": lambda: fake.initialized,
+        "memory_allocated": lambda index=None: fake.allocated,
+        "max_memory_allocated": lambda index=None: fake.peak,
         "memory_reserved": lambda index=None: fake.reserved,
         "reset_peak_memory_stats": reset,
         "get_device_properties": lambda index=None: types.SimpleNamespace(
@@ -207,6 +216,17 @@ def test_cuda_backend_reads_allocated_reserved_and_new_peaks(cuda: FakeCachingAl
     assert backend.sample() == (0, None)
     assert cuda.resets == 0 and backend.peak_mode == "sampled"
     assert backend.total_memory() == cuda.total
+
+
+def test_a_cuda_backend_made_before_cuda_is_initialised_reads_zero(
+        cuda: FakeCachingAllocator) -> None:
+    # Seen on an H100 (torch 2.11): the raw statistics call raised "Invalid device argument"
+    # when the backend was made before the process's first CUDA call.
+    cuda.initialized = False
+    backend = make_backend(parse_device("cuda"))
+    assert backend.allocated() == 0 and backend.sample() == (0, None)
+    size = cuda.malloc(3 * MiB)  # the first allocation initialises CUDA
+    assert backend.allocated() == size and backend.sample() == (size, size)
 
 
 def test_cuda_exact_mode_resets_the_peak_counter_at_every_read(

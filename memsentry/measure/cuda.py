@@ -95,7 +95,9 @@ class CudaBackend:
 
     def _read(self) -> tuple[int, int, int]:
         """(allocated, reserved, peak allocated) in one allocator call."""
-        if self._raw_stats is not None:
+        # The raw call refuses a device index before CUDA is initialised ("Invalid device
+        # argument"); torch's own readers answer 0 then.
+        if self._raw_stats is not None and torch.cuda.is_initialized():
             nested = self._raw_stats(self._index)
             return (
                 int(nested["allocated_bytes"]["all"]["current"]),
@@ -113,7 +115,7 @@ class CudaBackend:
         return allocated, self._peak.read(peak)
 
     def allocated(self) -> int:
-        if self._raw_stats is not None:
+        if self._raw_stats is not None and torch.cuda.is_initialized():
             return int(self._raw_stats(self._index)["allocated_bytes"]["all"]["current"])
         return torch.cuda.memory_allocated(self._index)
 
