@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import itertools
 import sys
 import types
@@ -181,3 +182,65 @@ def captured(obj: Any) -> Iterator[Child]:
         yield StepKind.ATTRIBUTE, "func", obj.func, False
         yield StepKind.ATTRIBUTE, "args", obj.args, False
         yield StepKind.ATTRIBUTE, "keywords", obj.keywords, False
+
+
+#: ``functools.lru_cache`` and ``functools.cache`` wrap a function in this type; its cache lives
+#: in C, reachable only through the garbage collector's view of the wrapper.
+CACHES = (functools._lru_cache_wrapper,)
+
+
+def cache_size(obj: Any) -> tuple[int, int | None]:
+    """(entries, the most it may hold: ``None`` when unbounded) of an lru_cache wrapper."""
+    info = obj.cache_info()
+    return info.currsize, info.maxsize
+
+
+def cached(obj: Any) -> Iterator[Child]:
+    """What a ``functools`` cache keeps: the arguments and results of its calls (positional:
+    they belong to the cached function's holder). An unbounded cache keeps them in a dict; a
+    bounded one in a linked list whose links the garbage collector lists with the wrapper."""
+    own = (getattr(obj, "__dict__", None), getattr(obj, "__wrapped__", None))
+    for ref in gc.get_referents(obj):
+        if any(ref is o for o in own) or isinstance(ref, type) or atomic(ref):
+            continue
+        if isinstance(ref, dict):
+            for key, value in list(ref.items()):
+                yield StepKind.CACHED, None, key, True
+                if type(value).__name__ != "_lru_list_elem":  # a bounded cache's link
+                    yield StepKind.CACHED, None, value, True
+        else:
+            yield StepKind.CACHED, None, ref, True
+
+
+def array_memory(array: Any) -> tuple[torch.Tensor | None, int, int]:
+    """Where a NumPy array's memory lives: (the tensor it views, ``tensor.numpy()``, or
+    ``None``; the address and bytes of the memory it owns or views otherwise, 0 and 0 when
+    that memory belongs to something else, such as a ``bytes`` object or a memory map)."""
+    owner = array
+    while True:
+        base = owner.base
+        if isinstance(base, torch.Tensor):
+            return base, 0, 0
+        if base is None:
+            return None, owner.__array_interface__["data"][0], owner.nbytes
+        if not hasattr(base, "base") or not hasattr(base, "__array_interface__"):
+            return None, 0, 0
+        owner = base
+
+
+#: Suspended generators and coroutines: their frames keep their locals alive between resumes.
+SUSPENDED = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+
+
+def suspended_locals(obj: Any, live: set[int]) -> Iterator[Child]:
+    """The locals of a suspended generator's or coroutine's frame, when its code is the
+    user's (positional: they belong to the generator's holder); none for one that is running
+    (its frame is a root of its own) or finished."""
+    frame = getattr(obj, "gi_frame", None) or getattr(obj, "cr_frame", None) \
+        or getattr(obj, "ag_frame", None)
+    if frame is None or id(frame) in live \
+            or root_package(frame.f_globals.get("__name__", "")) in MACHINERY:
+        return
+    function = frame.f_code.co_name
+    for name, value in list(frame.f_locals.items()):
+        yield StepKind.FRAME_LOCAL, (function, name), value, True

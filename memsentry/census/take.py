@@ -42,8 +42,10 @@ from memsentry.model import (
     Step,
     StepKind,
 )
+from memsentry.usercode.feeds import Feed, added_value, feeding_call
 from memsentry.usercode.frames import (
     frame_locals,
+    is_user_class,
     release_locals,
     running_frames,
     source_file,
@@ -94,6 +96,28 @@ def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: s
             walk.add_root(value, _root(name), HolderKind.GLOBAL, scope, SourceHint(name, files))
         elif classes and isinstance(value, type):
             walk.add_class(value)
+
+
+def add_log_handlers(walk: Walk) -> None:
+    """Handlers of the user's classes on any logger, as roots: one that keeps the records it
+    handles (with the tensors passed as their arguments) is held by :mod:`logging`'s registry,
+    which no user module reaches."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return
+    loggers = [("", logging.getLogger())] + [
+        (name, logger) for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger)]
+    for name, logger in loggers:
+        for index, handler in enumerate(list(logger.handlers)):
+            if not is_user_class(type(handler)):
+                continue
+            source = source_file(type(handler))
+            path = (Step(StepKind.ROOT, f"logging.getLogger({name!r})" if name
+                         else "logging.getLogger()"),
+                    Step(StepKind.ATTRIBUTE, "handlers"), Step(StepKind.INDEX, str(index)))
+            walk.add_root(handler, path, HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "logging"),
+                          SourceHint("handlers", (source,) if source else ()))
 
 
 def _add_frames(walk: Walk, frame: types.FrameType | None,
@@ -186,6 +210,7 @@ def take_census(
                       SourceHint("last_value"))
     for namespace, module_name, path in namespaces.values():
         add_globals(walk, namespace, module_name, path)
+    add_log_handlers(walk)
     if model is not None and all(obj is not model for _, obj, _ in named):
         name = type(model).__name__
         walk.add_root(model, _root(name), HolderKind.MODEL, None, SourceHint(name))
@@ -226,6 +251,13 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
     return walk.found, not walk.budget.exhausted
 
 
+def _file_of(hint: SourceHint, where: Location | None) -> str | None:
+    """The full path of the file ``where`` is in (one of the hint's files)."""
+    if where is None:
+        return None
+    return next((path for path in hint.files if short_path(path) == where.file), None)
+
+
 def _where(hint: SourceHint) -> Location | None:
     """The line that fills the holder, else the fallback line (where its frame stood)."""
     for path in hint.files:
@@ -237,12 +269,27 @@ def _where(hint: SourceHint) -> Location | None:
     return None
 
 
+def _feed(holder: Holder, where: Location | None) -> Feed | None:
+    """For ``x.attr`` filled inside a method of ``x``'s class, the call of that method in the
+    code that holds ``x`` (the last of the hint's files: the root's)."""
+    hint = holder.hint
+    if where is None or len(holder.path) < 2 or holder.path[1].kind != StepKind.ATTRIBUTE \
+            or len(hint.files) < 2:
+        return None
+    return feeding_call(_file_of(hint, where), where.line, hint.files[-1], holder.path[0].name)
+
+
 def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
+    where = _where(holder.hint)
+    added = added_value(_file_of(holder.hint, where), where.line if where else None,
+                        holder.hint.name)
     return HolderStats(
-        path=holder.path, kind=holder.kind, scope=holder.scope, where=_where(holder.hint),
+        path=holder.path, kind=holder.kind, scope=holder.scope, where=where,
+        added=added, feed=_feed(holder, where),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
+        arrays=holder.arrays, nodes=holder.nodes, container=holder.container,
     )
 
 

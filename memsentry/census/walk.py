@@ -9,6 +9,7 @@ holder above them (its items, counted together).
 from __future__ import annotations
 
 import collections
+import sys
 import time
 import types
 from collections.abc import Iterator
@@ -19,15 +20,22 @@ import torch
 from torch import nn
 
 from memsentry.census.children import (
+    CACHES,
     CALLABLES,
     CONTAINERS,
+    SUSPENDED,
     Child,
+    array_memory,
     atomic,
+    cache_size,
+    cached,
     captured,
     children,
     only_atoms,
+    suspended_locals,
     walks_into,
 )
+from memsentry.census.ledger import StorageLedger
 from memsentry.measure.storage import storage_of
 from memsentry.model import HeldTensor, HolderKind, Scope, ScopeKind, Step, StepKind
 from memsentry.usercode.frames import is_user_class, root_package, source_file
@@ -75,6 +83,9 @@ class Holder:
     modules: int = 0
     graph_tensors: int = 0
     shared_bytes: int = 0
+    arrays: int = 0
+    nodes: int = 0
+    container: str | None = None
     roots: list[Any] = field(default_factory=list)
 
 
@@ -122,7 +133,7 @@ def make_step(kind: StepKind, raw: Any) -> Step:
         function, name = raw
         return Step(kind, name, function)
     name = raw if kind == StepKind.ATTRIBUTE else repr(raw) if kind == StepKind.KEY \
-        else "" if kind == StepKind.MEMBER else str(raw)
+        else "" if kind in (StepKind.MEMBER, StepKind.CACHED) else str(raw)
     step = _STEPS.get((kind, name))
     if step is None:
         if len(_STEPS) >= _MAX_CACHED_STEPS:
@@ -144,15 +155,13 @@ class Walk:
         self.budget = budget
         self.targets = targets
         self.found: list[HeldTensor] = []
-        self.static = static
+        self.ledger = StorageLedger(static)
         self.seen: set[int] = set(skip)
-        self.storages: set[tuple[str, int]] = set()
-        self.owners: dict[tuple[str, int], Holder] = {}  # the holder that counted a storage
         self.root_order: dict[tuple[Step, ...], int] = {}  # roots in the order they were added
-        self.shared: set[tuple[str, int]] = set()
         self.classes: set[type] = set()
         self.holders: dict[tuple[Step, ...], Holder] = {}
-        self.items: dict[tuple[Step, ...], tuple[int, int | None]] = {}
+        #: Each container holder's length, bound and kind (``list``, ``deque``, ``lru_cache``).
+        self.items: dict[tuple[Step, ...], tuple[int, int | None, str]] = {}
         self.queue: collections.deque[_Item] = collections.deque()
         self.large: collections.deque[tuple[_Item, Any, type]] = collections.deque()
         self.visited = 0
@@ -184,27 +193,11 @@ class Walk:
 
     def count_bytes(self, tensor: torch.Tensor, *, parameters: bool = False,
                     holder: Holder | None = None) -> int:
-        """The storage's bytes the first time it is met; parameters and buffers of tracked
-        modules count only when ``parameters`` is on (a whole model kept in a container).
-        Met again from another ``holder``, the storage's first holder is marked as sharing
-        it (``del`` on that holder alone would not free it)."""
+        """The storage's bytes the first time it is met (see :class:`StorageLedger`)."""
         key = storage_key(tensor)
         if key is None:
             return 0
-        (device, pointer), size = key
-        if pointer in self.static and not parameters:
-            return 0
-        if (device, pointer) in self.storages:
-            first = self.owners.get((device, pointer))
-            if holder is not None and first is not None and first is not holder \
-                    and (device, pointer) not in self.shared:
-                self.shared.add((device, pointer))
-                first.shared_bytes += size
-            return 0
-        self.storages.add((device, pointer))
-        if holder is not None:
-            self.owners[device, pointer] = holder
-        return size
+        return self.ledger.count(key[0], key[1], holder, parameters=parameters)
 
     def run(self) -> None:
         """Visit what is queued, breadth first; the children of large containers come after
@@ -231,9 +224,9 @@ class Walk:
     def _holder(self, item: _Item) -> Holder:
         holder = self.holders.get(item.path)
         if holder is None:
-            items, bound = self.items.get(item.path, (None, None))
+            items, bound, container = self.items.get(item.path, (None, None, None))
             holder = self.holders[item.path] = Holder(
-                item.path, item.kind, item.scope, item.hint, items, bound
+                item.path, item.kind, item.scope, item.hint, items, bound, container=container
             )
         return holder
 
@@ -257,9 +250,67 @@ class Walk:
                 holder.graph_tensors += 1
                 holder.roots.append(tensor.grad_fn)
 
-    def _visit(self, item: _Item, obj: Any) -> None:
+    def _visit_array(self, item: _Item, array: Any) -> None:
+        """A NumPy array: the tensor it views (``tensor.numpy()``) is counted as that tensor's
+        storage; memory it owns is counted by its address, so that a tensor made from it
+        (``torch.from_numpy``) is not counted twice."""
+        tensor, address, size = array_memory(array)
+        if self.targets is not None:
+            if tensor is not None:
+                self._match(item, tensor)
+            return
+        holder = self._holder(item)
+        holder.arrays += 1
+        if tensor is not None:
+            holder.bytes += self.count_bytes(tensor, holder=holder)
+        elif address:
+            holder.bytes += self.ledger.count(("cpu", address), size, holder)
+
+    def _visit_node(self, item: _Item, node: Any) -> None:
+        """An autograd node kept by itself (a ``grad_fn``, a custom Function's ``ctx``): its
+        graph and the tensors it saved for backward are counted with the holder's graphs."""
+        if self.targets is None:
+            holder = self._holder(item)
+            holder.nodes += 1
+            holder.roots.append(node)
+
+    def _visit_cache(self, item: _Item, cache: Any) -> None:
+        """A ``functools`` cache: its entries belong to the cached function's holder, whose
+        line is the function's ``def``."""
+        if not item.frozen:
+            self.items[item.path] = (*cache_size(cache), "lru_cache")
+            code = getattr(getattr(cache, "__wrapped__", None), "__code__", None)
+            if code is not None:
+                item.hint = SourceHint(item.hint.name, (code.co_filename,),
+                                       fallback_line=code.co_firstlineno)
+        if item.depth < _MAX_DEPTH:
+            self._enqueue_children(item, cache, type(cache), cached(cache))
+
+    def _visit_memory(self, item: _Item, obj: Any) -> bool:
+        """Tensors, NumPy arrays, autograd nodes, functools caches and suspended generators,
+        each in its own way; whether ``obj`` was one of them."""
         if isinstance(obj, torch.Tensor):
             self._visit_tensor(item, obj)
+            return True
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and isinstance(obj, numpy.ndarray) and not obj.dtype.hasobject:
+            self._visit_array(item, obj)
+            return True
+        if isinstance(obj, torch.autograd.graph.Node):
+            self._visit_node(item, obj)
+            return True
+        if isinstance(obj, CACHES):
+            self._visit_cache(item, obj)
+            return True
+        if isinstance(obj, SUSPENDED):
+            if item.depth < _MAX_DEPTH:
+                self._enqueue_children(item, obj, type(obj),
+                                       suspended_locals(obj, self.live_frames))
+            return True
+        return False
+
+    def _visit(self, item: _Item, obj: Any) -> None:
+        if self._visit_memory(item, obj):
             return
         if isinstance(obj, CALLABLES) and walks_into(obj):
             if item.depth < _MAX_DEPTH:
@@ -279,7 +330,7 @@ class Walk:
             self.add_class(cls)
         elif not item.frozen:
             bound = obj.maxlen if isinstance(obj, collections.deque) else None
-            self.items[item.path] = (len(obj), bound)
+            self.items[item.path] = (len(obj), bound, type(obj).__name__)
             if item.path in self.holders:
                 self.holders[item.path].items = len(obj)
                 self.holders[item.path].bound = bound
@@ -313,9 +364,8 @@ class Walk:
     def _match(self, item: _Item, tensor: torch.Tensor) -> None:
         key = storage_key(tensor)
         assert self.targets is not None
-        if key is None or key[0][1] not in self.targets or key[0] in self.storages:
+        if key is None or key[0][1] not in self.targets or not self.ledger.claim(key[0]):
             return
-        self.storages.add(key[0])
         self.found.append(
             HeldTensor(
                 path=item.path, kind=item.kind, scope=item.scope,

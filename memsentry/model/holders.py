@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from memsentry.model.codec import SIGNED
 from memsentry.model.kinds import HolderKind
 from memsentry.model.places import Location, Scope, Step, spell
+from memsentry.usercode.feeds import Feed
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,15 @@ class HolderStats:
     those carrying a ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
     ``graph_saved_bytes`` the tensors those nodes keep for backward. ``bound`` is the most
     items the container can hold (a ``deque``'s ``maxlen``), ``None`` when unbounded.
-    ``shared_bytes``: of its ``bytes``, those another holder reaches too.
+    ``shared_bytes``: of its ``bytes``, those another holder reaches too. ``arrays`` counts
+    the NumPy arrays under it (their memory is in ``bytes``: a ``tensor.numpy()`` view as its
+    tensor's storage), ``nodes`` the autograd nodes it keeps by themselves (a ``grad_fn``, a
+    custom Function's ``ctx``: their graphs are in the ``graph_*`` figures). ``container`` is
+    the holder's type when it is a container (``list``, ``dict``, ``deque``) or a function's
+    cache (``lru_cache``: ``functools.lru_cache`` or ``functools.cache``), else ``None``.
+    ``added`` is the expression the line at ``where`` adds to the holder, as written
+    (``errD`` in ``epoch_errD += errD``); ``feed``, for an attribute filled inside a method of
+    the user's class, the call that hands it the value (``losses.update(loss, n)``).
     """
 
     path: tuple[Step, ...]
@@ -41,6 +50,11 @@ class HolderStats:
     modules: int = 0
     bound: int | None = None
     shared_bytes: int = 0
+    arrays: int = 0
+    nodes: int = 0
+    container: str | None = None
+    added: str | None = None
+    feed: Feed | None = None
 
     @property
     def name(self) -> str:

@@ -99,7 +99,8 @@ class ScopeKind(_Text):
 
 class StepKind(_Text):
     """One step of a holder's path: the root name, an attribute, a dict key, a sequence index,
-    a set member, or a local of a frame kept by a traceback."""
+    a set member, a local of a frame kept by a traceback, or an entry of a function's cache
+    (``functools.lru_cache``: spelled ``table(…)``, a result the cache keeps)."""
 
     ROOT = "root"
     ATTRIBUTE = "attribute"
@@ -107,6 +108,7 @@ class StepKind(_Text):
     INDEX = "index"
     MEMBER = "member"
     FRAME_LOCAL = "frame local"
+    CACHED = "cached"
 
 
 class SubjectKind(_Text):

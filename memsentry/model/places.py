@@ -58,12 +58,14 @@ class Step:
             return f"[{self.name}]"
         if self.kind == StepKind.FRAME_LOCAL:
             return f"[{self.function}(): {self.name}]"
+        if self.kind == StepKind.CACHED:
+            return "(…)"
         return "{…}"
 
     @property
     def is_subscript(self) -> bool:
         """A key, index or member: a step into a container's items."""
-        return self.kind in (StepKind.KEY, StepKind.INDEX, StepKind.MEMBER)
+        return self.kind in (StepKind.KEY, StepKind.INDEX, StepKind.MEMBER, StepKind.CACHED)
 
 
 def root(name: str) -> Step:

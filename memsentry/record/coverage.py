@@ -132,9 +132,11 @@ def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
     detail = (f" The least measured layer, `{fewest.name}`, was measured in {fewest.measured} "
               "calls." if fewest is not None else "")
     return [
-        f"Measuring every layer call took {own * 1e3:.1f} ms an iteration, "
-        f"{own / loop:.0%} of the loop's {loop * 1e3:.1f} ms (the limit is {share}, "
-        f"track(overhead=...)). From iteration {coverage.since} memsentry measured the layers "
+        f"Measuring every layer call took {own * 1e3:.1f} ms in iteration "
+        f"{coverage.since - 1}, {own / loop:.0%} of that iteration's {loop * 1e3:.1f} ms of "
+        f"the loop's own work (the limit is {share}, track(overhead=...); the iterations "
+        f"table's durations include memsentry's work). From iteration {coverage.since} "
+        "memsentry measured the layers "
         f"in turn, as few as {int(coverage.narrowest)} of {coverage.layers} an iteration, so "
         "each layer's figures come from some of its calls (the iterations table still has "
         f"every boundary).{detail} track(overhead=None) measures every call."

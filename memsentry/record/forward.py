@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from memsentry.measure import StorageBackend
+from memsentry.model import Location
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall, in_backward, stale_calls
 from memsentry.record.coverage import Coverage
+from memsentry.record.entry import entered_through
 from memsentry.record.failure import FailureWatch
 from memsentry.record.hooks import ModuleHooks
 from memsentry.record.layers import (
@@ -179,7 +181,8 @@ class ForwardRecorder:
         if parent is None:
             self._iteration_start(module)  # its census, if any, is clocked apart
             started = time.perf_counter()
-        record = self._registry.record_for(module, parent)
+        record = self._registry.record_for(
+            module, parent, lambda: entered_through(module, frame)[0] if parent is None else None)
         coverage = self.coverage
         coverage.calls += 1
         measured = coverage.measures(record.index)
@@ -244,7 +247,8 @@ class ForwardRecorder:
         if not call.measured and not stack and self.coverage.light:  # its boundaries count
             record.calls += 1
             if torch.is_grad_enabled():  # the end of its backward may close the iteration
-                self._roots.watch_light(record.name, not module.training, tensors_in(output))
+                self._roots.watch_light(record.name, not module.training, tensors_in(output),
+                                        self._entry(module))
             self.coverage.aside(started)
             return
         self._ended(module, call, allocated, output)
@@ -252,6 +256,18 @@ class ForwardRecorder:
             self.coverage.count(started)
         else:
             self.coverage.aside(started)
+
+    def _entry(self, module: nn.Module) -> Callable[[], tuple[str | None, Location | None]]:
+        """What an outermost call of ``module`` was entered through, asked when its graph is
+        watched: the named module whose own method called it, and the user's line."""
+        frame = sys._getframe(1)
+
+        def entry() -> tuple[str | None, Location | None]:
+            owner, where = entered_through(module, frame)
+            record = self._registry.record_of(owner) if owner is not None else None
+            named = record.name if record is not None else self._registry.name_of(owner)
+            return named, where
+        return entry
 
     def _ended(self, module: nn.Module, call: ForwardCall, allocated: int, output: Any) -> None:
         """Fold a call that left the stack into its layer, its parent and the watches of its
@@ -271,7 +287,8 @@ class ForwardRecorder:
         grad = torch.is_grad_enabled()
         if not stack and grad:
             self._roots.watch(record.name, not module.training,
-                              call.saved_bytes if self._saved and measured else None, outputs)
+                              call.saved_bytes if self._saved and measured else None, outputs,
+                              self._entry(module))
         if call.backward is not None and grad and self._backward is not None:
             self._backward.watch_outputs(call.backward, outputs)
         if call.pushed or not stack:

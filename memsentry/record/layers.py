@@ -6,7 +6,7 @@ Holds no tensor and no module strongly: modules are looked up through a ``WeakKe
 from __future__ import annotations
 
 import weakref
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -207,16 +207,25 @@ class LayerRegistry:
             self._names[module] = (self._unique(qualified or type(root).__name__), depth,
                                    _param_bytes(module))
 
-    def record_for(self, module: nn.Module, parent: LayerRecord | None) -> LayerRecord:
-        """The record of ``module``, created (and named, if needed) on its first call."""
+    def record_for(self, module: nn.Module, parent: LayerRecord | None,
+                   owner: Callable[[], nn.Module | None] | None = None) -> LayerRecord:
+        """The record of ``module``, created (and named, if needed) on its first call.
+        ``owner`` says, for an outermost call of a module no tree names yet, which module's
+        own method called it (a model entered through ``self.forward()``): that module's tree
+        is named, so that its layers are named as its attributes (``fc1``, not ``Linear``)."""
         record = self._by_module.get(module)
         if record is not None:
             return record
         named = self._names.get(module)
         if named is None:
             if parent is None:
-                self.name_tree(module)
-                named = self._names[module]
+                holder = owner() if owner is not None else None
+                if holder is not None and holder not in self._names:
+                    self.name_tree(holder)
+                named = self._names.get(module)
+                if named is None:
+                    self.name_tree(module)
+                    named = self._names[module]
             else:
                 named = (self._unique(f"{parent.name}.<{type(module).__name__}>"),
                          parent.depth + 1, None)
@@ -257,6 +266,11 @@ class LayerRegistry:
         if record is not None:
             return record.depth == 0
         return module not in self._names
+
+    def name_of(self, module: nn.Module | None) -> str | None:
+        """The name given to ``module`` (called or not), or ``None``."""
+        named = self._names.get(module) if module is not None else None
+        return named[0] if named is not None else None
 
     def record_of(self, module: nn.Module) -> LayerRecord | None:
         """The record of ``module`` if it was called, without creating one."""

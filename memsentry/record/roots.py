@@ -33,8 +33,8 @@ def watched(calls: int) -> bool:
 class RootCall:
     """An outermost module call made with autograd on, until a backward reaches its output."""
 
-    __slots__ = ("eval_mode", "generation", "handles", "name", "pass_end", "saved", "used",
-                 "where")
+    __slots__ = ("eval_mode", "generation", "handles", "members", "name", "pass_end", "saved",
+                 "used", "where")
 
     def __init__(self, name: str, eval_mode: bool, saved: int | None,
                  where: Location | None, generation: int, pass_end: PassEnd | None) -> None:
@@ -46,6 +46,9 @@ class RootCall:
         self.used = False
         self.handles: list[Any] = []
         self.where = where
+        #: For a call of a model entered through its own method: the layers called so far in
+        #: it (a layer called again starts the model's next call); ``None`` once judged.
+        self.members: set[str] | None = set()
 
     def mark_used(self, _grad_outputs: Any) -> None:
         """A backward pass reached the call's output; its end is reported when it comes."""
@@ -82,6 +85,8 @@ class RootCalls:
         self._pass_seen = False  # a backward pass reached a watched call since last asked
         self._running: list[RootCall] = []
         self._unused: dict[str, UnusedGraph] = {}
+        self._entries: dict[str, RootCall] = {}  # the latest call of each model so entered
+        self._owners: dict[str, str] = {}  # a layer called by such a model's method: the model
         self.thin = False  # light calls are watched thinned out (see :data:`WATCHED`)
         self._light: dict[str, int] = {}  # light calls with autograd on, by module
         self._unwatched: dict[str, int] = {}  # of those, the ones not watched
@@ -102,7 +107,9 @@ class RootCalls:
         """Whether some calls were left unwatched (a backward may have reached only those)."""
         return bool(self._unwatched)
 
-    def watch_light(self, name: str, eval_mode: bool, outputs: list[torch.Tensor]) -> None:
+    def watch_light(self, name: str, eval_mode: bool, outputs: list[torch.Tensor],
+                    entry: Callable[[], tuple[str | None, Location | None]] | None = None
+                    ) -> None:
         """An outermost call of a light iteration ended with autograd on: watched like any
         other, or with :attr:`thin` only as :func:`watched` says (counted otherwise)."""
         if self.thin:
@@ -110,18 +117,38 @@ class RootCalls:
             if not watched(calls):
                 self._unwatched[name] = self._unwatched.get(name, 0) + 1
                 return
-        self.watch(name, eval_mode, None, outputs)
+        self.watch(name, eval_mode, None, outputs, entry)
 
     def watch(self, name: str, eval_mode: bool, saved: int | None,
-              outputs: list[torch.Tensor]) -> None:
-        """An outermost call ended with autograd on: watch the nodes of its outputs."""
+              outputs: list[torch.Tensor],
+              entry: Callable[[], tuple[str | None, Location | None]] | None = None) -> None:
+        """An outermost call ended with autograd on: watch the nodes of its outputs.
+        ``entry`` says which named module's own method made the call (a model entered through
+        ``self.forward()``: its layers' calls are one call of it) and the user's line that
+        called in."""
         nodes = grad_nodes(outputs)
         if not nodes:
             return
+        owner, where = entry() if entry is not None else (None, user_site())
+        if owner is not None:
+            self._owners[name] = owner
+            call = self._entries.get(owner)
+            if call is not None and call.members is not None and name not in call.members \
+                    and call.generation == self._clock.index:
+                call.members.add(name)  # another layer of the same call of the model
+                call.handles += [node.register_prehook(call.mark_used) for node in nodes]
+                if call.saved is not None and saved is not None:
+                    call.saved += saved
+                return
         if len(self._running) >= MAX_RUNNING:  # no boundary settles them (inference)
             self.settle(everything=True)
-        call = RootCall(name, eval_mode, saved, user_site(), self._clock.index, self._pass_end)
+        call = RootCall(owner or name, eval_mode, saved, where, self._clock.index,
+                        self._pass_end)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
+        if owner is not None:
+            assert call.members is not None
+            call.members.add(name)
+            self._entries[owner] = call
         self._running.append(call)
 
     def settle(self, *, everything: bool = False) -> None:
@@ -134,6 +161,7 @@ class RootCalls:
                 continue
             for handle in call.handles:
                 handle.remove()
+            call.members = None
             if not call.used:
                 self._unused[call.name] = call.fold_into(self._unused.get(call.name))
         self._running = kept
@@ -154,5 +182,12 @@ class RootCalls:
         for call in self._running:
             if not call.used and call.name not in unused:
                 unused[call.name] = call.fold_into(None)
-        return tuple(replace(graph, unwatched=self._unwatched.get(graph.module, 0))
+        return tuple(replace(graph, unwatched=self._unwatched_of(graph.module))
                      for graph in unused.values())
+
+    def _unwatched_of(self, module: str) -> int:
+        """Calls of ``module`` left unwatched; for a model entered through its own method,
+        those of its busiest layer (each of its calls called each layer once, or more)."""
+        counts = [count for name, count in self._unwatched.items()
+                  if self._owners.get(name, name) == module]
+        return max(counts, default=0)

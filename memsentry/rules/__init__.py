@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 # The rule modules register their rules on import, in this order (the order they run in).
 # isort: off
-from memsentry.rules import holders, hooks, cycles, growth, nograd, exceptions  # noqa: F401
+from memsentry.rules import retained, holders, hooks, cycles  # noqa: F401
+from memsentry.rules import growth, nograd, exceptions  # noqa: F401
 from memsentry.rules import device, timing, loopvars, headroom  # noqa: F401
 # isort: on
 from memsentry.model import Finding, ReportData, Severity

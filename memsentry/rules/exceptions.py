@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memsentry.model import Finding, ReportData, Severity, Subject
-from memsentry.rules.holders import TRACEBACK
 from memsentry.rules.registry import rule
-from memsentry.rules.series import complete_censuses, describe_holder, plural
+from memsentry.rules.series import TRACEBACK, complete_censuses, describe_holder, plural
 from memsentry.units import format_bytes
 
 RULE_ID = "exception-frames"

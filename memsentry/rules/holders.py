@@ -1,5 +1,6 @@
-"""``tensor-accumulation`` and ``retained-graph``: holders that gain tensors, or whose tensors'
-autograd graph grows, from one census to the next."""
+"""``tensor-accumulation``: holders that gain tensors, arrays, autograd nodes or models from
+one census to the next, or keep one tensor that grows (the graphs they keep growing are
+:mod:`memsentry.rules.retained`'s)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from memsentry.model import (
     Step,
     StepKind,
     Subject,
-    spell,
 )
-from memsentry.model.places import until_subscript
 from memsentry.rules.registry import rule
 from memsentry.rules.series import (
     Trend,
+    base_name,
     describe_holder,
+    grows_steadily,
     growth_rate,
+    held_count,
     holder_series,
     last_seen,
     latest,
@@ -33,20 +35,23 @@ from memsentry.rules.series import (
 from memsentry.units import format_bytes
 
 ACCUMULATION = "tensor-accumulation"
-RETAINED_GRAPH = "retained-graph"
 
 
 #: Bytes a step that a container emptied every epoch must gain, when it holds no autograd
 #: graph, before its teeth alone make a leak (a flushed buffer of scalars does not).
 TOOTH_BYTES = 64 * 1024
-#: The step from an exception to its traceback.
-TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
 #: Names under which IPython keeps cell results in a notebook's namespace.
 _IPYTHON_HISTORY = frozenset({"Out", "_oh", "_", "__", "___"})
 
 
-def _count(holder: HolderStats) -> float:
-    return holder.tensors + holder.modules
+def _noun(holder: HolderStats) -> str:
+    """What the holder mostly keeps: ``tensor``, ``model``, ``NumPy array``, ``autograd
+    node``."""
+    kinds = [(holder.tensors, "tensor"), (holder.arrays, "NumPy array"),
+             (holder.nodes, "autograd node"), (holder.modules, "model")]
+    if holder.modules and not holder.tensors:
+        return "model"
+    return max(kinds, key=lambda kind: kind[0])[1]
 
 
 def _parent(path: tuple[Step, ...]) -> tuple[Step, ...]:
@@ -70,136 +75,6 @@ def _merge(path: tuple[Step, ...], entries: list[HolderStats | None]) -> HolderS
     )
 
 
-#: What one graph pinned by an attribute must keep (its tensors and saved activations) to be
-#: worth a WASTE finding: a metric that caches a 4-byte loss with its graph (torchmetrics'
-#: ``_forward_cache``) costs nothing worth changing code for.
-PINNED_MIN_BYTES = 1 << 20
-
-
-@rule(RETAINED_GRAPH, severities={Severity.LEAK, Severity.WASTE}, causes={Severity.LEAK})
-def retained_graph(report: ReportData) -> list[Finding]:
-    """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
-    summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
-    ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
-    nodes pile up."""
-    censuses, table = holder_series(report, graphs=True)
-    findings = []
-    for row in table.values():
-        last = latest(row)
-        if last is None or not last.graph_tensors:
-            continue
-        nodes = trend(censuses, row, lambda h: h.graph_nodes)
-        count = trend(censuses, row, _count)
-        growing = nodes.climbs() and not count.climbs()
-        saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
-        kept = len(nodes.values) >= 2 and all(h is not None and h.graph_tensors
-                                              for h in row[-2:])
-        if last.kind == HolderKind.GRADIENT and (growing or kept):
-            findings.append(_gradient_finding(last, nodes, saved, growing))
-            continue
-        if not growing:
-            if kept and not count.climbs() and _is_attribute(last) \
-                    and last.bytes + last.graph_saved_bytes >= PINNED_MIN_BYTES:
-                findings.append(_pinned_graph(last, nodes.iterations[-1]))
-            continue
-        most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
-        message = (
-            f"{describe_holder(last)} keeps the autograd graph of every iteration: "
-            f"{int(nodes.values[most]):,} graph nodes at iteration {nodes.iterations[most]}, "
-            f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
-        )
-        if last.graph_saved_bytes:
-            message += (
-                f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
-                f"(+{format_bytes(round(max(growth_rate(saved), 0)))}/iter)"
-            )
-        else:
-            message += (
-                "; backward() freed their saved tensors, but the nodes themselves pile up "
-                "in host memory and every backward through them gets slower"
-            )
-        message += sawtooth_note(nodes)
-        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
-            fix = (
-                f"accumulate a number, not the tensor: `{_base(last)} += loss.item()` "
-                "(or `loss.detach()`)"
-            )
-        else:  # a state carried into the next iteration
-            fix = (
-                f"cut the graph at each iteration: `{_base(last)} = "
-                f"{_base(last)}.detach()` before it is used again (truncated BPTT), "
-                "and drop retain_graph=True once nothing reaches back"
-            )
-        findings.append(
-            Finding(
-                rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
-                rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
-                subject=Subject.holder(last.path), location=last.where,
-                iteration=nodes.iterations[-1],
-            )
-        )
-    return findings
-
-
-def _is_attribute(holder: HolderStats) -> bool:
-    if holder.path and holder.path[-1] == TRACEBACK:
-        return False  # a kept exception's frames: the exception-frames rule says it better
-    if holder.kind in (HolderKind.CLASS_ATTRIBUTE, HolderKind.MODEL, HolderKind.INSTANCE):
-        return True
-    return any(step.kind == StepKind.ATTRIBUTE for step in until_subscript(holder.path))
-
-
-def _pinned_graph(last: HolderStats, iteration: int) -> Finding:
-    """An attribute that keeps one graph-carrying tensor across iterations (replaced, not
-    appended, each time): bounded, but one extra graph stays alive."""
-    message = (
-        f"{describe_holder(last)} keeps a tensor with its autograd graph across iterations "
-        f"({format_bytes(last.bytes)} of tensors, {last.graph_nodes:,} graph nodes"
-    )
-    if last.graph_saved_bytes:
-        message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
-    message += "): one extra graph is alive when the next forward starts, raising the peak"
-    fix = (
-        f"store `.detach()` in `{_base(last)}` (or `.item()` for a number), or clear it "
-        "once it has been used"
-    )
-    return Finding(
-        rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
-        bytes=last.bytes + last.graph_saved_bytes, rate=None, objects=last.graph_nodes,
-        subject=Subject.holder(last.path), location=last.where, iteration=iteration,
-    )
-
-
-def _base(holder: HolderStats) -> str:
-    """The holder's name up to its first subscript: ``history`` for ``history[0]``."""
-    return spell(until_subscript(holder.path))
-
-
-def _gradient_finding(last: HolderStats, nodes: Trend, saved: Trend, growing: bool) -> Finding:
-    message = (
-        f"`{last.name}` and {last.items - 1 if last.items else 0} more parameter .grad "
-        f"tensors carry a grad_fn at the iteration boundary ({last.graph_nodes:,} graph nodes"
-    )
-    message += (
-        f", +{nodes.per_iteration:.3g}/iter): each backward(create_graph=True) adds to a graph "
-        "that is never freed" if growing else "): the graph of the last backward stays alive "
-        "until the gradients are reset"
-    )
-    fix = (
-        "after a backward(create_graph=True), detach or reset the gradients before the next "
-        "step (`optimizer.zero_grad(set_to_none=True)`, or `p.grad = p.grad.detach()`); use "
-        "torch.autograd.grad(..., create_graph=True) for higher-order terms instead of .grad"
-    )
-    return Finding(
-        rule=RETAINED_GRAPH, severity=Severity.LEAK if growing else Severity.WASTE,
-        message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
-        objects=last.graph_nodes,
-        rate=saved.per_iteration if saved.per_iteration > 0 else None,
-        subject=Subject.holder(last.path), iteration=nodes.iterations[-1],
-    )
-
-
 @rule(ACCUMULATION, severities={Severity.LEAK}, causes={Severity.LEAK})
 def tensor_accumulation(report: ReportData) -> list[Finding]:
     """A list, dict, deque or attribute gains tensors (or whole models) at every census.
@@ -209,14 +84,18 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     """
     censuses, table = holder_series(report)
     groups: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
+    findings = []
     for path, row in table.items():
         last = latest(row)
         if last is None or last.bound is not None:
             continue  # a deque(maxlen=k) cannot pass k: a window, not a leak
-        count = trend(censuses, row, _count)
+        count = trend(censuses, row, held_count)
         if count.climbs(teeth=False) or _material_tooth(censuses, row, count):
             groups.setdefault(_parent(path), []).append(path)
-    findings = []
+        elif last.kind != HolderKind.GRADIENT:
+            size = trend(censuses, row, lambda h: h.bytes)
+            if grows_steadily(size):
+                findings.append(_growing_tensor(row, size))
     for parent, paths in groups.items():
         if len(paths) == 1:
             row, keys = table[paths[0]], ""
@@ -225,6 +104,124 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
             keys = ", ".join(sorted(p[-1].spelled() for p in paths))
         findings.append(_accumulation(censuses, row, keys))
     return findings
+
+
+def _growing_tensor(row: list[HolderStats | None], size: Trend) -> Finding:
+    """A holder that keeps as many tensors, ever larger: one tensor rebuilt with what each
+    step adds."""
+    last = latest(row)
+    assert last is not None
+    first, end = size.windows()[-1]
+    rate = (size.values[end] - size.values[first]) / (size.iterations[end]
+                                                        - size.iterations[first])
+    tensors = f"{last.tensors:,} tensor{'s' if last.tensors != 1 else ''}"
+    message = (
+        f"{describe_holder(last)} grows by {format_bytes(round(rate))}/iter: "
+        f"{format_bytes(last.bytes)} at iteration {size.iterations[end]}, up from "
+        f"{format_bytes(round(size.values[first]))} at iteration {size.iterations[first]}, "
+        f"while it keeps {tensors}: a tensor made larger every iteration (concatenated "
+        "onto itself, or padded) keeps everything each step added"
+    )
+    base = base_name(last)
+    fix = (
+        f"bound `{base}`: preallocate it and write in place (a ring buffer, "
+        f"`{base}[i % k] = x`), or keep only the last rows (`{base} = torch.cat([{base}, "
+        f"x])[-k:]`); move what must stay to the CPU (`.cpu()`) or to disk"
+    )
+    return Finding(
+        rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
+        bytes=last.bytes, objects=last.tensors, rate=rate, subject=Subject.holder(last.path),
+        location=last.where, iteration=size.iterations[end],
+    )
+
+
+def _what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
+    """The accumulation message's notes on what the holder is and keeps: a function's cache,
+    NumPy arrays, autograd nodes, tensors that carry graphs."""
+    message = ""
+    if last.container == "lru_cache":
+        message += (
+            f"; it is the cache of `{base_name(last)}()` (`functools.lru_cache`/`cache`"
+            f"{', unbounded' if last.bound is None else ''}), which keeps the arguments and "
+            f"result of every call with new arguments: {last.items or 0:,} entries"
+        )
+    if last.arrays:
+        message += (f"; {last.arrays:,} are NumPy arrays, counted with the memory they own or "
+                    "the tensor they view (`.numpy()` shares the tensor's storage)")
+    if last.nodes:
+        message += (f"; {last.nodes:,} are autograd nodes kept by themselves (a `grad_fn`, a "
+                    f"custom Function's `ctx`), and with them their graph "
+                    f"({last.graph_nodes:,} nodes")
+        message += (f", {format_bytes(last.graph_saved_bytes)} saved for backward)"
+                    if last.graph_saved_bytes else
+                    "; backward() freed what they saved, the nodes stay in host memory)")
+    if last.graph_tensors:
+        message += (f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
+                    "their batch's graph")
+        if not graphs_complete and not last.graph_nodes:
+            message += (" alive (too large to count within the census's time budget: its "
+                        "nodes and saved tensors are not in the figures)")
+        else:
+            least = "" if graphs_complete else "at least "
+            message += f" ({least}{last.graph_nodes:,} nodes"
+            if last.graph_saved_bytes:
+                message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
+            message += ") alive"
+    return message
+
+
+#: The fix for a holder of what ``_noun`` names, when nothing more particular applies.
+_FIXES = {
+    "model": (
+        "keep results, not models: store the score and, for the best model only, a CPU copy "
+        "of state_dict(); `del` the model and optimizer after each trial"
+    ),
+    "NumPy array": (
+        "keep what you need of each array (a summary such as `float(a.mean())`, or a "
+        "`.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole storage), "
+        "write them to disk (`np.save`), and clear the container each epoch or bound it with "
+        "`collections.deque(maxlen=k)`"
+    ),
+    "autograd node": (
+        "keep the values you need, not `grad_fn` or `ctx` objects: each keeps its graph and "
+        "what it saved for backward until it is dropped; clear the container once used"
+    ),
+}
+
+
+def _accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
+    if last.container == "lru_cache":
+        return (
+            f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "
+            f"`{base_name(last)}.cache_clear()` each epoch, and do not key it by what "
+            "changes every step (the step, the batch); cache `.detach()`ed or CPU tensors"
+        )
+    if last.root in _IPYTHON_HISTORY:
+        return (
+            "end such cells with `;` (or assign the result), drop kept results with "
+            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
+        )
+    if default:
+        return (
+            "default the argument to `None` and make the container inside the function "
+            "(`def f(..., kept=None)`, then `if kept is None: kept = []`), or pass it "
+            "explicitly; store `.detach()`ed tensors or `.item()` numbers in it"
+        )
+    if last.modules:
+        return _FIXES["model"]
+    if what in _FIXES:
+        return _FIXES[what]
+    if last.graph_tensors:
+        return (
+            "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
+            "under `torch.no_grad()`; clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
+    return (
+        "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), aggregate "
+        "as you go, and clear the container each epoch or bound it with "
+        "`collections.deque(maxlen=k)`"
+    )
 
 
 def _material_tooth(censuses: list[Census], row: list[HolderStats | None],
@@ -246,31 +243,24 @@ def _material_tooth(censuses: list[Census], row: list[HolderStats | None],
 
 
 def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: str) -> Finding:
-    count = trend(censuses, row, _count)
+    count = trend(censuses, row, held_count)
     last = latest(row)
     assert last is not None
     first_seen = next(h for h in row if h is not None)
     size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
-    what = "model" if last.modules and not last.tensors else "tensor"
+    what = _noun(last)
     message = (
         f"{describe_holder(last)} gains {per_iteration(growth_rate(count), what)}"
         f"{' across its keys ' + keys if keys else ''}: "
-        f"{int(_count(last)):,} ({format_bytes(last.bytes)}) at iteration "
-        f"{count.iterations[-1]}, up from {int(_count(first_seen)):,} at iteration "
+        f"{int(held_count(last)):,}{f' ({format_bytes(last.bytes)})' if last.bytes else ''}"
+        " at iteration "
+        f"{count.iterations[-1]}, up from {int(held_count(first_seen)):,} at iteration "
         f"{count.iterations[0]}{sawtooth_note(count)}"
     )
     if last.modules:
         message += f"; {last.modules} of them are whole nn.Module objects"
-    if last.graph_tensors:
-        seen_at = last_seen(row)
-        least = "" if seen_at is None or censuses[seen_at].graphs_complete else "at least "
-        message += (
-            f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
-            f"their batch's graph ({least}{last.graph_nodes:,} nodes"
-        )
-        if last.graph_saved_bytes:
-            message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
-        message += ") alive"
+    seen_at = last_seen(row)
+    message += _what_it_keeps(last, seen_at is None or censuses[seen_at].graphs_complete)
     default = next((step.name for step in last.path if step.name.startswith("__defaults__[")
                     or step.name.startswith("__kwdefaults__[")), None)
     if default is not None:
@@ -278,43 +268,15 @@ def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: s
             "; it is a mutable default argument, made once when the `def` ran and shared by "
             "every call, so it keeps what each call adds"
         )
-    ipython = last.root in _IPYTHON_HISTORY
-    if ipython:
+    if last.root in _IPYTHON_HISTORY:
         message += (
             "; this is IPython's output history, which keeps the result of every cell that "
             "ends with an expression (`del` and `torch.cuda.empty_cache()` do not free it)"
         )
-    if ipython:
-        fix = (
-            "end such cells with `;` (or assign the result), drop kept results with "
-            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
-        )
-    elif default is not None:
-        fix = (
-            "default the argument to `None` and make the container inside the function "
-            "(`def f(..., kept=None)`, then `if kept is None: kept = []`), or pass it "
-            "explicitly; store `.detach()`ed tensors or `.item()` numbers in it"
-        )
-    elif last.modules:
-        fix = (
-            "keep results, not models: store the score and, for the best model only, a "
-            "CPU copy of state_dict(); `del` the model and optimizer after each trial"
-        )
-    elif last.graph_tensors:
-        fix = (
-            "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
-            "under `torch.no_grad()`; clear the container each epoch or bound it with "
-            "`collections.deque(maxlen=k)`"
-        )
-    else:
-        fix = (
-            "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), "
-            "aggregate as you go, and clear the container each epoch or bound it with "
-            "`collections.deque(maxlen=k)`"
-        )
+    fix = _accumulation_fix(last, what, default=default is not None)
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
-        bytes=last.bytes + last.graph_saved_bytes, objects=int(_count(last)),
+        bytes=last.bytes + last.graph_saved_bytes, objects=int(held_count(last)),
         rate=max(growth_rate(size), 0.0), subject=Subject.holder(last.path),
         location=last.where, iteration=count.iterations[-1],
     )

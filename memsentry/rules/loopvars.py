@@ -7,7 +7,14 @@ import statistics
 
 from memsentry.model import Finding, HolderKind, HolderStats, ReportData, Severity, Subject
 from memsentry.rules.registry import rule
-from memsentry.rules.series import after_warmup, complete_censuses, function_of
+from memsentry.rules.series import (
+    after_warmup,
+    complete_censuses,
+    function_of,
+    grows_steadily,
+    holder_series,
+    trend,
+)
 from memsentry.units import format_bytes
 
 RULE_ID = "loop-variables"
@@ -37,8 +44,13 @@ def loop_variables(report: ReportData) -> list[Finding]:
     before, last = _plain_locals(censuses[-2].holders), _plain_locals(censuses[-1].holders)
     # A local whose tensors another holder keeps too (`outputs.append(out)`) frees nothing
     # when deleted: it is left out, and so are locals whose storage another local counted.
+    # A local that grows at every census (`bank = torch.cat([bank, x])`) is a leak, which
+    # tensor-accumulation reports; rebinding it earlier would not help.
+    _, table = holder_series(report)
     kept = [last[name] for name in last
-            if name in before and last[name].bytes > last[name].shared_bytes]
+            if name in before and last[name].bytes > last[name].shared_bytes
+            and not grows_steadily(trend(censuses, table[last[name].path],
+                                         lambda h: h.bytes))]
     size = sum(h.bytes - h.shared_bytes for h in kept)
     its = [it for it in after_warmup(report) if it.sampled]  # peaks read inside iterations
     rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]

@@ -16,8 +16,11 @@ from memsentry.model import (
     ReportData,
     ScopeKind,
     Step,
+    StepKind,
     complete,
+    spell,
 )
+from memsentry.model.places import until_subscript
 
 #: Iterations left out at the start: gradient buffers, optimizer state (Adam keeps two
 #: tensors per parameter) and allocator pools appear in the first steps.
@@ -113,6 +116,30 @@ class Trend:
         return best
 
 
+#: A holder whose tensors stay as many but whose bytes rise (one tensor rebuilt larger every
+#: step: ``bank = torch.cat([bank, x])``) leaks when, within the latest window, its bytes rose
+#: at each of at least ``GROWING_POINTS`` censuses, by ``GROWING_BYTES`` an iteration or more,
+#: at a steady pace (no step's rate more than ``GROWING_STEADY`` times another's). Tensors
+#: whose size follows the batch (variable sequence lengths) rise and fall at random: five
+#: rises in a row at one pace is not what they do.
+GROWING_BYTES = 4 * 1024
+GROWING_POINTS = 5
+GROWING_STEADY = 4.0
+
+
+def grows_steadily(size: Trend) -> bool:
+    """Bytes that rose at every census of the latest window, steadily (see ``GROWING_*``)."""
+    first, last = size.windows()[-1]
+    values, its = size.values[first:last + 1], size.iterations[first:last + 1]
+    if len(values) < GROWING_POINTS or its[-1] == its[0]:
+        return False
+    rates = [(b - a) / (j - i) for (a, b), (i, j)
+             in zip(itertools.pairwise(values), itertools.pairwise(its), strict=True)]
+    if min(rates) <= 0 or (values[-1] - values[0]) / (its[-1] - its[0]) < GROWING_BYTES:
+        return False
+    return max(rates) <= GROWING_STEADY * min(rates)
+
+
 def growth_rate(trend: Trend) -> float:
     """Per iteration: across all censuses, or within the steepest window of a sawtooth."""
     return trend.window_per_iteration if trend.falls else trend.per_iteration
@@ -128,6 +155,20 @@ def sawtooth_note(trend: Trend) -> str:
     return (f"; it fell before iteration {at} (emptied or rebound){again}: what it keeps "
             "grows with the time between clears (an epoch's length), and real epochs are "
             "long")
+
+
+#: The step from an exception to its traceback.
+TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
+
+
+def held_count(holder: HolderStats) -> float:
+    """What a holder keeps, counted: tensors, whole models, NumPy arrays, autograd nodes."""
+    return holder.tensors + holder.modules + holder.arrays + holder.nodes
+
+
+def base_name(holder: HolderStats) -> str:
+    """The holder's name up to its first subscript: ``history`` for ``history[0]``."""
+    return spell(until_subscript(holder.path))
 
 
 def complete_censuses(report: ReportData, *, graphs: bool = False) -> list[Census]:

@@ -22,7 +22,7 @@ _GROWING_METHODS = frozenset(
 )
 
 
-def _mtime(path: str) -> float | None:
+def mtime(path: str) -> float | None:
     try:
         return os.stat(path).st_mtime
     except OSError:
@@ -30,14 +30,14 @@ def _mtime(path: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse(path: str, mtime: float | None) -> ast.Module | None:
+def parse(path: str, mtime: float | None) -> ast.Module | None:
     try:
-        return ast.parse(_source(path), filename=path)
+        return ast.parse(source_text(path), filename=path)
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return None
 
 
-def _source(path: str) -> str:
+def source_text(path: str) -> str:
     """The text of ``path``; for code compiled from a string (a notebook cell, named
     ``<ipython-input-5-...>`` or a kernel's temporary file that was never written), the
     lines :mod:`linecache` keeps for it. Raises ``OSError`` when there is neither."""
@@ -52,7 +52,7 @@ def _source(path: str) -> str:
 
 
 def _tree(path: str) -> ast.Module | None:
-    return _parse(path, _mtime(path))
+    return parse(path, mtime(path))
 
 
 def _enclosing(tree: ast.Module, first_line: int | None) -> ast.AST:
@@ -79,7 +79,7 @@ def _names(node: ast.AST) -> set[str]:
     return found
 
 
-def _spells(target: ast.AST, name: str) -> bool:
+def spells(target: ast.AST, name: str) -> bool:
     """``target`` is ``name``, ``<x>.name`` or a subscript of either."""
     while isinstance(target, ast.Subscript):
         target = target.value
@@ -88,23 +88,35 @@ def _spells(target: ast.AST, name: str) -> bool:
     return isinstance(target, ast.Attribute) and target.attr == name
 
 
-def _score(node: ast.AST, name: str) -> int:
+#: Values that reset a holder rather than fill it (``self.avg = 0``, ``self.outs = []``).
+_RESETS = (ast.Constant, ast.List, ast.Dict, ast.Tuple, ast.Set)
+
+
+def _score(node: ast.AST, name: str) -> float:
     """How surely ``node`` is the statement that makes ``name`` grow: 3 for accumulation
-    (``+=``, ``x = x + ...``, ``x.append(...)``, ``x[k] = ...``), 1 for a plain binding."""
-    if isinstance(node, ast.AugAssign) and _spells(node.target, name):
+    (``+=``, ``x = x + ...``, ``x.append(...)``, ``x[k] = ...``), 1 for a plain binding, 0.5
+    for one that resets it to a constant or an empty literal (``reset()``'s ``self.avg = 0``)."""
+    if isinstance(node, ast.AugAssign) and spells(node.target, name):
         return 3
     if isinstance(node, ast.Assign | ast.AnnAssign):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         for target in targets:
-            if isinstance(target, ast.Subscript) and _spells(target, name):
+            if isinstance(target, ast.Subscript) and spells(target, name):
                 return 3
-            if _spells(target, name):
+            if spells(target, name):
                 value = node.value
-                return 3 if value is not None and name in _names(value) else 1
+                if value is not None and name in _names(value):
+                    return 3
+                return 0.5 if isinstance(value, _RESETS) and not _filled(value) else 1
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in _GROWING_METHODS and _spells(node.func.value, name):
+        if node.func.attr in _GROWING_METHODS and spells(node.func.value, name):
             return 3
     return 0
+
+
+def _filled(literal: ast.AST) -> bool:
+    """A literal with items (``[x]``), or a constant (never filled: a reset)."""
+    return bool(getattr(literal, "elts", None) or getattr(literal, "keys", None))
 
 
 def growth_line(path: str | None, name: str, *, function_line: int | None = None) -> int | None:
@@ -113,18 +125,18 @@ def growth_line(path: str | None, name: str, *, function_line: int | None = None
     """
     if not path:
         return None
-    return _growth_line(path, _mtime(path), name, function_line)
+    return _growth_line(path, mtime(path), name, function_line)
 
 
 @functools.lru_cache(maxsize=1024)
 def _growth_line(path: str, mtime: float | None, name: str, function_line: int | None
                  ) -> int | None:
-    tree = _parse(path, mtime)
+    tree = parse(path, mtime)
     if tree is None:
         return None
     scope = _enclosing(tree, function_line)
     best, line = 0.0, None
-    for node, function in _walk(scope, None):
+    for node, function in walk_functions(scope, None):
         score: float = _score(node, name)
         lineno = getattr(node, "lineno", None)
         if lineno is None or not score:
@@ -136,13 +148,13 @@ def _growth_line(path: str, mtime: float | None, name: str, function_line: int |
     return line
 
 
-def _walk(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | None]]:
+def walk_functions(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | None]]:
     """Every node under ``node`` with the name of the function it is in."""
     for child in ast.iter_child_nodes(node):
         inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
             else function
         yield child, inner
-        yield from _walk(child, inner)
+        yield from walk_functions(child, inner)
 
 
 def register_line(path: str | None, hook: str) -> int | None:

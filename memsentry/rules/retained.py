@@ -1,0 +1,183 @@
+"""``retained-graph``: a tensor alive across iteration boundaries whose autograd graph grows
+(a loss summed without ``.item()``, a state never detached), or that pins one graph more."""
+
+from __future__ import annotations
+
+import ast
+
+from memsentry.model import (
+    Finding,
+    HolderKind,
+    HolderStats,
+    ReportData,
+    Severity,
+    StepKind,
+    Subject,
+)
+from memsentry.model.places import until_subscript
+from memsentry.rules.registry import rule
+from memsentry.rules.series import (
+    TRACEBACK,
+    Trend,
+    base_name,
+    describe_holder,
+    growth_rate,
+    held_count,
+    holder_series,
+    latest,
+    sawtooth_note,
+    trend,
+)
+from memsentry.units import format_bytes
+
+RETAINED_GRAPH = "retained-graph"
+
+#: What one graph pinned by an attribute must keep (its tensors and saved activations) to be
+#: worth a WASTE finding: a metric that caches a 4-byte loss with its graph (torchmetrics'
+#: ``_forward_cache``) costs nothing worth changing code for.
+PINNED_MIN_BYTES = 1 << 20
+
+
+@rule(RETAINED_GRAPH, severities={Severity.LEAK, Severity.WASTE}, causes={Severity.LEAK})
+def retained_graph(report: ReportData) -> list[Finding]:
+    """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
+    summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
+    ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
+    nodes pile up."""
+    censuses, table = holder_series(report, graphs=True)
+    findings = []
+    for row in table.values():
+        last = latest(row)
+        if last is None or not (last.graph_tensors or last.nodes):
+            continue
+        nodes = trend(censuses, row, lambda h: h.graph_nodes)
+        count = trend(censuses, row, held_count)
+        growing = nodes.climbs() and not count.climbs()
+        saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
+        kept = len(nodes.values) >= 2 and all(h is not None and (h.graph_tensors or h.nodes)
+                                              for h in row[-2:])
+        if last.kind == HolderKind.GRADIENT and (growing or kept):
+            findings.append(_gradient_finding(last, nodes, saved, growing))
+            continue
+        if not growing:
+            if kept and not count.climbs() and _is_attribute(last) \
+                    and last.bytes + last.graph_saved_bytes >= PINNED_MIN_BYTES:
+                findings.append(_pinned_graph(last, nodes.iterations[-1]))
+            continue
+        most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
+        message = (
+            f"{describe_holder(last)} keeps the autograd graph of every iteration: "
+            f"{int(nodes.values[most]):,} graph nodes at iteration {nodes.iterations[most]}, "
+            f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
+        )
+        if last.graph_saved_bytes:
+            message += (
+                f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
+                f"(+{format_bytes(round(max(growth_rate(saved), 0)))}/iter)"
+            )
+        else:
+            message += (
+                "; backward() freed their saved tensors, but the nodes themselves pile up "
+                "in host memory and every backward through them gets slower"
+            )
+        message += sawtooth_note(nodes)
+        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
+            fix = _number_fix(last)
+        else:  # a state carried into the next iteration
+            fix = (
+                f"cut the graph at each iteration: `{base_name(last)} = "
+                f"{base_name(last)}.detach()` before it is used again (truncated BPTT), "
+                "and drop retain_graph=True once nothing reaches back"
+            )
+        findings.append(
+            Finding(
+                rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
+                bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
+                rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
+                subject=Subject.holder(last.path), location=last.where,
+                iteration=nodes.iterations[-1],
+            )
+        )
+    return findings
+
+
+def _item(expression: str) -> str:
+    """``expression.item()``, parenthesised unless it is a name, attribute, call or
+    subscript."""
+    try:
+        node = ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        node = None
+    plain = isinstance(node, ast.Name | ast.Attribute | ast.Call | ast.Subscript)
+    return f"{expression}.item()" if plain else f"({expression}).item()"
+
+
+def _number_fix(last: HolderStats) -> str:
+    """Accumulate numbers, in the user's words: the call that hands the tensor to the
+    holder's method (``losses.update(loss.item(), n)``), else the line's own expression
+    (``epoch_errD += errD.item()``)."""
+    feed = last.feed
+    if feed is not None:
+        return (
+            f"pass a number, not the tensor: `{feed.with_argument(_item(feed.argument))}` "
+            f"({feed.where}); `{feed.call}` stores `{feed.argument}` and its graph in "
+            f"`{last.name}`"
+        )
+    value = last.added or "loss"
+    return (
+        f"accumulate a number, not the tensor: `{base_name(last)} += {_item(value)}` (or "
+        f"`{value}.detach()`)"
+    )
+
+
+def _is_attribute(holder: HolderStats) -> bool:
+    if holder.path and holder.path[-1] == TRACEBACK:
+        return False  # a kept exception's frames: the exception-frames rule says it better
+    if holder.kind in (HolderKind.CLASS_ATTRIBUTE, HolderKind.MODEL, HolderKind.INSTANCE):
+        return True
+    return any(step.kind == StepKind.ATTRIBUTE for step in until_subscript(holder.path))
+
+
+def _pinned_graph(last: HolderStats, iteration: int) -> Finding:
+    """An attribute that keeps one graph-carrying tensor across iterations (replaced, not
+    appended, each time): bounded, but one extra graph stays alive."""
+    message = (
+        f"{describe_holder(last)} keeps a tensor with its autograd graph across iterations "
+        f"({format_bytes(last.bytes)} of tensors, {last.graph_nodes:,} graph nodes"
+    )
+    if last.graph_saved_bytes:
+        message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
+    message += "): one extra graph is alive when the next forward starts, raising the peak"
+    fix = (
+        f"store `.detach()` in `{base_name(last)}` (or `.item()` for a number), or clear it "
+        "once it has been used"
+    )
+    return Finding(
+        rule=RETAINED_GRAPH, severity=Severity.WASTE, message=message, fix=fix,
+        bytes=last.bytes + last.graph_saved_bytes, rate=None, objects=last.graph_nodes,
+        subject=Subject.holder(last.path), location=last.where, iteration=iteration,
+    )
+
+
+def _gradient_finding(last: HolderStats, nodes: Trend, saved: Trend, growing: bool) -> Finding:
+    message = (
+        f"`{last.name}` and {last.items - 1 if last.items else 0} more parameter .grad "
+        f"tensors carry a grad_fn at the iteration boundary ({last.graph_nodes:,} graph nodes"
+    )
+    message += (
+        f", +{nodes.per_iteration:.3g}/iter): each backward(create_graph=True) adds to a graph "
+        "that is never freed" if growing else "): the graph of the last backward stays alive "
+        "until the gradients are reset"
+    )
+    fix = (
+        "after a backward(create_graph=True), detach or reset the gradients before the next "
+        "step (`optimizer.zero_grad(set_to_none=True)`, or `p.grad = p.grad.detach()`); use "
+        "torch.autograd.grad(..., create_graph=True) for higher-order terms instead of .grad"
+    )
+    return Finding(
+        rule=RETAINED_GRAPH, severity=Severity.LEAK if growing else Severity.WASTE,
+        message=message, fix=fix, bytes=last.bytes + last.graph_saved_bytes,
+        objects=last.graph_nodes,
+        rate=saved.per_iteration if saved.per_iteration > 0 else None,
+        subject=Subject.holder(last.path), iteration=nodes.iterations[-1],
+    )

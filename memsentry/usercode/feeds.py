@@ -1,0 +1,142 @@
+"""What the user's code puts into a holder, as the code spells it: the expression a line adds
+(``errD`` in ``epoch_errD += errD``), and the call that hands a value to a method which stores it
+(``losses.update(loss, n)`` filling ``losses.avg``), so that a fix names the user's own words.
+Files are parsed once (see :mod:`memsentry.usercode.lines`); nothing here raises.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+
+from memsentry.usercode.lines import mtime, parse, short_path, source_text, spells, walk_functions
+from memsentry.usercode.location import Location
+
+#: Methods that add their argument to the container they are called on.
+_ADDING = frozenset({"append", "extend", "insert", "add", "appendleft", "extendleft", "put",
+                     "push"})
+
+
+@dataclass(frozen=True)
+class Feed:
+    """A call in the user's code that hands a value to a method storing it in a holder:
+    ``call`` as written (``losses.update(loss, n)``), ``argument`` the argument that carries
+    the value (``loss``) at ``start``:``end`` of ``call``, and the call's line."""
+
+    where: Location
+    call: str
+    argument: str
+    start: int
+    end: int
+
+    def with_argument(self, text: str) -> str:
+        """The call with its value argument written as ``text``."""
+        return self.call[:self.start] + text + self.call[self.end:]
+
+
+def _segment(path: str, node: ast.AST) -> str | None:
+    try:
+        return ast.get_source_segment(source_text(path), node)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def added_value(path: str | None, line: int | None, name: str) -> str | None:
+    """The expression the statement at ``line`` adds to ``name``: ``errD`` for
+    ``epoch_errD += errD`` or ``epoch_errD = epoch_errD + errD``, ``y`` for ``outs.append(y)``;
+    ``None`` when the line is none of these."""
+    if not path or line is None:
+        return None
+    return _added_value(path, mtime(path), line, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _added_value(path: str, mtime: float | None, line: int, name: str) -> str | None:
+    tree = parse(path, mtime)
+    if tree is None:
+        return None
+    for node, _function in walk_functions(tree, None):
+        if getattr(node, "lineno", None) != line:
+            continue
+        value = _value_of(node, name)
+        if value is not None:
+            return _segment(path, value)
+    return None
+
+
+def _value_of(node: ast.AST, name: str) -> ast.AST | None:
+    if isinstance(node, ast.AugAssign) and spells(node.target, name):
+        return node.value
+    if isinstance(node, ast.Assign) and any(spells(t, name) for t in node.targets) \
+            and isinstance(node.value, ast.BinOp):
+        left, right = node.value.left, node.value.right
+        if spells(left, name):
+            return right
+        if spells(right, name):
+            return left
+    if isinstance(node, ast.Expr):
+        node = node.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in _ADDING and spells(node.func.value, name) and node.args:
+        return node.args[-1]
+    return None
+
+
+def feeding_call(method_file: str | None, line: int | None, caller_file: str | None,
+                 root: str) -> Feed | None:
+    """The call ``root.method(...)`` in ``caller_file`` of the method whose body holds
+    ``line`` of ``method_file`` (a statement storing into ``self``), with the argument that
+    carries the value: the first one not a constant. ``None`` when ``line`` is in no method or
+    no such call is found."""
+    if not method_file or not caller_file or line is None:
+        return None
+    return _feeding_call(method_file, mtime(method_file), line, caller_file,
+                         mtime(caller_file), root)
+
+
+@functools.lru_cache(maxsize=256)
+def _feeding_call(method_file: str, method_mtime: float | None, line: int, caller_file: str,
+                  caller_mtime: float | None, root: str) -> Feed | None:
+    tree = parse(method_file, method_mtime)
+    callers = parse(caller_file, caller_mtime)
+    if tree is None or callers is None:
+        return None
+    method = _method_at(tree, line)
+    if method is None:
+        return None
+    for node in ast.walk(callers):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == method and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id == root:
+            return _feed(caller_file, node)
+    return None
+
+
+def _method_at(tree: ast.Module, line: int) -> str | None:
+    """The name of the method (a function whose first parameter is ``self``) whose body holds
+    ``line``, not ``__init__``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.args.args \
+                and node.args.args[0].arg == "self" and node.name != "__init__" \
+                and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return node.name
+    return None
+
+
+def _feed(path: str, call: ast.Call) -> Feed | None:
+    text = _segment(path, call)
+    if text is None or call.end_lineno != call.lineno:
+        return None  # a call over several lines: its offsets would not map onto one string
+    for argument in [*call.args, *(k.value for k in call.keywords)]:
+        if isinstance(argument, ast.Constant | ast.Starred):
+            continue
+        start = argument.col_offset - call.col_offset
+        end = (argument.end_col_offset or argument.col_offset) - call.col_offset
+        if text[start:end] != _segment(path, argument):
+            return None  # offsets count UTF-8 bytes: a line with other characters
+        return Feed(Location(short_path(path), call.lineno), text, text[start:end], start, end)
+    return None
+
+
+__all__ = ["Feed", "added_value", "feeding_call"]

@@ -1,0 +1,81 @@
+"""Names as the code spells them (issue 25): a model entered through its own method
+(``self.forward(x)`` from ``act()``) is the module the finding is about, its layers are named
+as its attributes, and the line is the caller's."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import memsentry
+
+
+class Agent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.forward(obs).argmax()  # acts with autograd on: a graph nobody uses
+
+
+class Shared(nn.Module):
+    """One layer applied twice (tied weights), entered through a method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.relu(self.layer(x)))
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x).softmax(-1)
+
+
+def _acting_loop(agent: Agent, *, model: bool) -> tuple[memsentry.Report, int]:
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(agent.parameters())
+    with memsentry.track(agent if model else None, on_leak="ignore") as t:
+        for step in range(40):
+            agent.act(torch.randn(4))
+            if step % 4 == 0:
+                loss = agent(torch.randn(32, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    lines, first = inspect.getsourcelines(_acting_loop)
+    acted = first + next(i for i, line in enumerate(lines) if "agent.act(" in line)
+    return t.report(), acted
+
+
+@pytest.mark.parametrize("model", [True, False], ids=["track(model)", "track()"])
+def test_a_model_entered_through_its_own_method_is_one_finding_at_the_callers_line(
+        model: bool) -> None:
+    report, acted = _acting_loop(Agent(), model=model)
+    (finding,) = [f for f in report.findings if f.rule == "missing-no-grad"]
+    assert finding.message.startswith("`Agent` ran 40 forward passes with autograd on from "
+                                      f"_acting_loop() at tests/test_names.py:{acted} ")
+    assert finding.location is not None and finding.location.line == acted
+    # Its layers are named as its attributes, whether or not the model was given.
+    assert {"fc1", "fc2", "fc3"} <= {layer.name for layer in report.layers}
+    assert not any(layer.name.startswith("Linear") for layer in report.layers)
+
+
+def test_a_layer_applied_twice_inside_a_method_entered_model_is_still_one_finding() -> None:
+    net = Shared()
+    with memsentry.track(on_leak="ignore") as t:
+        for _ in range(6):
+            net.predict(torch.randn(8, 16))
+            t.step()
+    findings = [f for f in t.report().findings if f.rule == "missing-no-grad"]
+    assert [f.subject.name for f in findings if f.subject is not None] == ["Shared"]
+    assert [layer.name for layer in t.report().layers] == ["layer"]  # not `Linear`
