@@ -53,6 +53,7 @@ class Coverage:
         self.since: int | None = None  # the first iteration measured in part
         self.busiest: tuple[float, float] | None = None  # (own cost, loop time) that shrank it
         self.narrowest = math.inf
+        self.skipped = 0  # calls left out of the window (the run ended before any: no note)
 
     @property
     def full(self) -> bool:
@@ -70,7 +71,10 @@ class Coverage:
             return True  # a layer first seen in this iteration is measured
         if self.budget.light or self.budget.overdrawn():
             return False
-        return self.size >= self.layers or (index - self.offset) % self.layers < self.size
+        inside = self.size >= self.layers or (index - self.offset) % self.layers < self.size
+        if not inside:
+            self.skipped += 1
+        return inside
 
     def window(self) -> set[int] | None:
         """The layers measured in this iteration (``None``: all)."""
@@ -123,7 +127,7 @@ class Coverage:
 
 def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
     """What the report says when layers were measured in turn (nothing when every call was)."""
-    if coverage.since is None or coverage.busiest is None:
+    if coverage.since is None or coverage.busiest is None or not coverage.skipped:
         return []
     own, loop = coverage.busiest
     measured = [r for r in registry.records.values() if r.calls]
