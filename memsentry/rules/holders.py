@@ -177,14 +177,14 @@ _FIXES = {
         "of state_dict(); `del` the model and optimizer after each trial"
     ),
     "NumPy array": (
-        "keep what you need of each array (a summary such as `float(a.mean())`, or a "
-        "`.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole storage), "
-        "write them to disk (`np.save`), and clear the container each epoch or bound it with "
-        "`collections.deque(maxlen=k)`"
+        "keep in `{base}` what you need of each array (a summary such as `float(a.mean())`, "
+        "or a `.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole "
+        "storage), write them to disk (`np.save`), and clear `{base}` each epoch or bound it "
+        "with `collections.deque(maxlen=k)`"
     ),
     "autograd node": (
-        "keep the values you need, not `grad_fn` or `ctx` objects: each keeps its graph and "
-        "what it saved for backward until it is dropped; clear the container once used"
+        "keep in `{base}` the values you need, not `grad_fn` or `ctx` objects: each keeps its "
+        "graph and what it saved for backward until it is dropped; clear `{base}` once used"
     ),
 }
 
@@ -210,7 +210,7 @@ def _accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
     if last.modules:
         return _FIXES["model"]
     if what in _FIXES:
-        return _FIXES[what]
+        return _FIXES[what].format(base=base_name(last))
     if last.graph_tensors:
         return (
             "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "

@@ -16,6 +16,8 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
     saved for backward was kept for nothing, raising the peak (``eval()`` does not turn
     autograd off)."""
     findings = []
+    cost = report.cost
+    partial = cost is not None and cost.sampled < cost.iterations
     for unused in report.unused_graphs:
         if unused.saved_bytes == 0:
             continue  # nothing saved, nothing wasted
@@ -28,10 +30,18 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
             f"{unused.eval_calls:,} of them in eval() mode" if unused.eval_calls
             else "in train() mode"
         )
+        least = "at least " if partial or unused.unwatched else ""
         message = (
-            f"`{unused.module}` ran {unused.calls:,} forward passes with autograd on{caller} "
-            f"({mode}) whose graphs no backward used"
+            f"`{unused.module}` ran {least}{unused.calls:,} forward passes with autograd "
+            f"on{caller} ({mode}) whose graphs no backward used"
         )
+        if partial and not unused.unwatched:
+            assert cost is not None
+            message += (
+                f" (memsentry followed every module call in {cost.sampled:,} of "
+                f"{cost.iterations:,} iterations, to keep to its budget, and not all calls in "
+                "the others)"
+            )
         if unused.unwatched:
             message += (
                 f" (memsentry watched only some of its calls, to keep to its budget: "

@@ -94,7 +94,8 @@ def retained_graph(report: ReportData) -> list[Finding]:
                 rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
                 bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
                 rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
-                subject=Subject.holder(last.path), location=last.where,
+                subject=Subject.holder(last.path),
+                location=last.feed.where if last.feed is not None else last.where,
                 iteration=nodes.iterations[-1],
             )
         )

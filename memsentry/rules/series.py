@@ -249,7 +249,10 @@ def describe_holder(holder: HolderStats) -> str:
                                                 HolderKind.MODEL):
         kind = f"held through `{holder.root}`, {kind}"
     text = f"`{holder.name}` ({kind}"
-    if holder.where:
+    if holder.feed is not None and holder.where:  # filled inside a method of its class
+        function = f" in `{holder.where.function}()`" if holder.where.function else ""
+        text += f"; set at {holder.where}{function}, called from {holder.feed.where}"
+    elif holder.where:
         text += f", {holder.where}"
     return text + ")"
 
