@@ -8,6 +8,7 @@ import collections
 import functools
 import inspect
 import logging
+import queue
 
 import numpy as np
 import pytest
@@ -287,3 +288,23 @@ def test_a_handler_that_keeps_logged_tensors_is_named_through_its_logger() -> No
         "`logging.getLogger('memsentry-test-train').handlers[0].records` (held through "
         "`logging.getLogger('memsentry-test-train')`, a global of module logging")
     assert "gains 1 tensor/iter" in finding.message
+
+
+# -- a standard library container -----------------------------------------------------------
+FEATURES: queue.Queue[torch.Tensor] = queue.Queue()
+
+
+def test_an_unbounded_queue_is_named_at_the_users_put_not_inside_the_library() -> None:
+    model, opt = _model()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            FEATURES.put(_step(model, opt, batch=256).detach())  # never taken out
+    finding = _leaks(t.report())["tensor-accumulation"]
+    assert finding.message.startswith("`FEATURES.queue` (held through `FEATURES`, a global of ")
+    assert finding.location is not None
+    assert finding.location.file == "tests/test_holders_everywhere.py"  # not queue.py
+    assert finding.location.line == _line(
+        test_an_unbounded_queue_is_named_at_the_users_put_not_inside_the_library,
+        "FEATURES.put(")
+    while not FEATURES.empty():
+        FEATURES.get_nowait()

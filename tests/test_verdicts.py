@@ -72,7 +72,8 @@ def test_tensor_growth_on_the_heap_backend_stays_a_leak_without_censuses() -> No
             opt.step()
             opt.zero_grad()
             kept.append(torch.ones(64 * 1024))
-    (finding,) = t.report().findings
+    # The one verdict is the growth (a loaded machine may add a timing hint: not judged here).
+    (finding,) = [f for f in t.report().findings if f.severity is not HINT]
     assert (finding.rule, finding.severity) == ("memory-growth", LEAK)
 
 

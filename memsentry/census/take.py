@@ -45,6 +45,7 @@ from memsentry.model import (
 from memsentry.usercode.feeds import Feed, added_value, feeding_call
 from memsentry.usercode.frames import (
     frame_locals,
+    is_stdlib,
     is_user_class,
     release_locals,
     running_frames,
@@ -258,12 +259,24 @@ def _file_of(hint: SourceHint, where: Location | None) -> str | None:
     return next((path for path in hint.files if short_path(path) == where.file), None)
 
 
-def _where(hint: SourceHint) -> Location | None:
-    """The line that fills the holder, else the fallback line (where its frame stood)."""
-    for path in hint.files:
+def _library(path: str) -> bool:
+    return is_stdlib(path) or "-packages" in path
+
+
+def _where(holder: Holder) -> Location | None:
+    """The line of the user's code that fills the holder; for an attribute a library's class
+    fills (``queue.Queue``'s ``queue``), the line that grows its root (``q.put(x)``); else the
+    fallback line (where its frame stood)."""
+    hint = holder.hint
+    user = [path for path in hint.files if not _library(path)]
+    for path in user:
         line = growth_line(path, hint.name, function_line=hint.function_line)
         if line is not None:
             return Location(short_path(path), line)
+    if len(holder.path) > 1 and len(user) < len(hint.files) and user:
+        line = growth_line(user[-1], holder.path[0].name)
+        if line is not None:
+            return Location(short_path(user[-1]), line)
     if hint.files and hint.fallback_line is not None:
         return Location(short_path(hint.files[0]), hint.fallback_line)
     return None
@@ -280,7 +293,7 @@ def _feed(holder: Holder, where: Location | None) -> Feed | None:
 
 
 def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
-    where = _where(holder.hint)
+    where = _where(holder)
     added = added_value(_file_of(holder.hint, where), where.line if where else None,
                         holder.hint.name)
     return HolderStats(
