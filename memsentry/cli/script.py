@@ -184,7 +184,10 @@ def without_machinery(tb: types.TracebackType | None) -> types.TracebackType | N
         foreign_after = foreign_after or not _is_machinery(entry.tb_frame)
     rebuilt = None
     for entry in kept:  # innermost first
-        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+        # An entry whose instruction has no line (a signal that arrived between two) says
+        # None: it is rebuilt at its frame's line, the one python would show for it.
+        line = entry.tb_lineno if entry.tb_lineno is not None else entry.tb_frame.f_lineno
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, line or 0)
     return rebuilt
 
 
@@ -201,7 +204,10 @@ def _trim(error: BaseException, seen: set[int]) -> None:
 def print_error(error: BaseException) -> None:
     """Print ``error`` as python prints an uncaught exception: through ``sys.excepthook``
     (the script may have set its own), without memsentry's frames."""
-    _trim(error, set())
+    try:
+        _trim(error, set())
+    except Exception:  # a traceback it cannot rebuild: shown whole, memsentry's frames too
+        pass
     tb = error.__traceback__
     try:
         sys.excepthook(type(error), error, tb)
