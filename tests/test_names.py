@@ -105,3 +105,44 @@ def test_forward_passes_counted_in_part_are_said_to_be_a_lower_bound() -> None:
                 in finding.message)
     else:
         assert finding.objects == 20 and " at least " not in finding.message
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
+
+
+class Maker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.main(x)
+
+
+def test_two_models_with_attributes_of_one_name_are_told_apart_by_their_variables() -> None:
+    net_g, net_d = Maker(), Critic()  # dcgan: both keep their layers in `main`
+    with memsentry.track(on_leak="ignore") as t:  # no model: every module is followed
+        for _ in range(4):
+            net_d(net_g(torch.randn(4, 8))).mean().backward()
+            t.step()
+    names = [layer.name for layer in t.report().layers]
+    assert names[:4] == ["Maker", "main", "main.0", "main.1"]  # the first keeps its names
+    assert "net_d" in names and "net_d.main" in names and "net_d.main.2" in names
+    assert not any("#" in name for name in names)
+
+
+def test_two_models_of_one_class_are_named_by_their_variables() -> None:
+    critics = [Critic(), Critic()]
+    first, second = critics
+    with memsentry.track(on_leak="ignore") as t:
+        for _ in range(4):
+            (first(torch.randn(4, 8)) + second(torch.randn(4, 8))).mean().backward()
+            t.step()
+    names = [layer.name for layer in t.report().layers]
+    assert names[0] == "Critic" and "second" in names and "second.main.0" in names

@@ -354,9 +354,10 @@ def test_a_second_optimizer_does_not_double_count() -> None:
     # Per loop pass: gen (4 calls), disc twice (8), the loss twice (2); none lost or doubled.
     assert sum(it.forward_calls for it in report.iterations) == 3 * 14
     assert [it.forward_calls for it in report.iterations] == [4 + 4 + 1, 14, 14, 4 + 1]
-    # Global hooks: each top-level module is a root named by its class, the loss included.
+    # Global hooks: each top-level module is a root named by its class, the loss included;
+    # a second root of a class already named is named by the variable that calls it.
     roots = [(layer.name, layer.type) for layer in report.layers if layer.depth == 0]
-    assert roots == [("Sequential", "Sequential"), ("Sequential#2", "Sequential"),
+    assert roots == [("Sequential", "Sequential"), ("disc", "Sequential"),
                      ("BCEWithLogitsLoss", "BCEWithLogitsLoss")]
 
 

@@ -66,9 +66,32 @@ def entered_through(module: nn.Module, frame: types.FrameType | None
     return owner, first
 
 
+def spelled_name(module: nn.Module, frame: types.FrameType | None) -> str | None:
+    """The name the innermost user frame on the stack calls ``module`` by: a local or global
+    bound to it (``netG``), or an attribute of that frame's ``self`` (``self.critic``:
+    ``critic``); ``None`` when none is."""
+    while frame is not None and is_machinery_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        names = dict(frame.f_locals)
+    finally:
+        release_locals(frame)
+    for scope in (names, frame.f_globals):
+        for name, value in list(scope.items()):
+            if value is module and name.isidentifier() and name != "self":
+                return name
+    this = names.get("self")
+    for name, value in list(getattr(this, "__dict__", {}).items()):
+        if value is module and name.isidentifier():
+            return name
+    return None
+
+
 def current(module: nn.Module) -> tuple[nn.Module | None, Location | None]:
     """:func:`entered_through` from the caller of the hook that asks."""
     return entered_through(module, sys._getframe(1))
 
 
-__all__ = ["current", "entered_through"]
+__all__ = ["current", "entered_through", "spelled_name"]

@@ -23,7 +23,7 @@ from memsentry.model import Location
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall, in_backward, stale_calls
 from memsentry.record.coverage import Coverage
-from memsentry.record.entry import entered_through
+from memsentry.record.entry import entered_through, spelled_name
 from memsentry.record.failure import FailureWatch
 from memsentry.record.hooks import ModuleHooks
 from memsentry.record.layers import (
@@ -182,7 +182,8 @@ class ForwardRecorder:
             self._iteration_start(module)  # its census, if any, is clocked apart
             started = time.perf_counter()
         record = self._registry.record_for(
-            module, parent, lambda: entered_through(module, frame)[0] if parent is None else None)
+            module, parent, lambda: entered_through(module, frame)[0] if parent is None else None,
+            lambda: spelled_name(module, frame))
         coverage = self.coverage
         coverage.calls += 1
         measured = coverage.measures(record.index)

@@ -144,6 +144,26 @@ def fully_sharded(module: nn.Module) -> bool:
                for klass in type(module).__mro__)
 
 
+def _shown_name(root: nn.Module, qualified: str, wrapped: bool,
+                compiled: nn.Module | None) -> str:
+    """A submodule's qualified name as the user's model spells it: through DDP's and
+    torch.compile's wrappers, and a scripted or traced root by its original class."""
+    if wrapped:  # DDP's wrapper: the user's modules keep the names of their model
+        if qualified == "module":
+            return type(root.module).__name__
+        return qualified.removeprefix("module.")
+    if compiled is not None:  # torch.compile's wrapper: name the user's modules
+        if not qualified:
+            return f"{type(compiled).__name__} (compiled)"
+        if qualified == COMPILED_ATTRIBUTE:
+            return type(compiled).__name__
+        return qualified.removeprefix(COMPILED_ATTRIBUTE + ".")
+    if not qualified and isinstance(root, torch.jit.ScriptModule):
+        how = "traced" if isinstance(root, torch.jit.TracedModule) else "scripted"
+        return f"{getattr(root, 'original_name', 'ScriptModule')} ({how})"
+    return qualified
+
+
 class LayerRegistry:
     """Names modules and owns their records, in first-call order.
 
@@ -177,42 +197,48 @@ class LayerRegistry:
         self._taken.add(f"{name}#{k}")
         return f"{name}#{k}"
 
-    def name_tree(self, root: nn.Module) -> None:
+    def name_tree(self, root: nn.Module, spelled: Callable[[], str | None] | None = None
+                  ) -> None:
         """Give ``root`` and its submodules names (those already named keep theirs), and read
         their parameters' bytes now, before their own hooks run (at start, or from a global
         hook at the root's first call): FSDP2's hook swaps a module's sharded parameters
-        (DTensors, counted by their local shard) for unsharded ones for its forward."""
+        (DTensors, counted by their local shard) for unsharded ones for its forward.
+
+        A second root whose names another root took (a GAN's two ``main`` attributes) is
+        named as the code spells it, when ``spelled`` finds that (``netG``), else by its class,
+        and its submodules after it: ``netG.main``, not ``main#2``."""
         compiled = compiled_original(root)
+        prefix: str | None = None
         wrapped = type(root).__name__ in DATA_PARALLEL and isinstance(
             getattr(root, "module", None), nn.Module)
+        clash = self._clashes(root, wrapped, compiled)
         for qualified, module in root.named_modules():
             if module in self._names:
                 continue
-            if wrapped:  # DDP's wrapper: the user's modules keep the names of their model
-                if qualified == "module":
-                    qualified = type(root.module).__name__
-                elif qualified:
-                    qualified = qualified.removeprefix("module.")
-            elif compiled is not None:  # torch.compile's wrapper: name the user's modules
-                if not qualified:
-                    qualified = f"{type(compiled).__name__} (compiled)"
-                elif qualified == COMPILED_ATTRIBUTE:
-                    qualified = type(compiled).__name__
-                else:
-                    qualified = qualified.removeprefix(COMPILED_ATTRIBUTE + ".")
-            elif not qualified and isinstance(root, torch.jit.ScriptModule):
-                how = "traced" if isinstance(root, torch.jit.TracedModule) else "scripted"
-                qualified = f"{getattr(root, 'original_name', 'ScriptModule')} ({how})"
+            qualified = _shown_name(root, qualified, wrapped, compiled)
             depth = qualified.count(".") + 1 if qualified and module is not root else 0
-            self._names[module] = (self._unique(qualified or type(root).__name__), depth,
-                                   _param_bytes(module))
+            if module is root:
+                qualified = qualified or type(root).__name__
+                if clash or qualified in self._taken:  # named as the code spells it
+                    prefix = (spelled() if spelled is not None else None) or qualified
+                    qualified = prefix if prefix not in self._taken else qualified
+            elif qualified and clash:  # another root has attributes of these names
+                qualified = f"{prefix or self._names[root][0]}.{qualified}"
+            self._names[module] = (self._unique(qualified), depth, _param_bytes(module))
+
+    def _clashes(self, root: nn.Module, wrapped: bool, compiled: nn.Module | None) -> bool:
+        """Whether a submodule of ``root`` would take a name another root's took."""
+        return any(_shown_name(root, qualified, wrapped, compiled) in self._taken
+                   for qualified, _ in root.named_modules() if qualified)
 
     def record_for(self, module: nn.Module, parent: LayerRecord | None,
-                   owner: Callable[[], nn.Module | None] | None = None) -> LayerRecord:
+                   owner: Callable[[], nn.Module | None] | None = None,
+                   spelled: Callable[[], str | None] | None = None) -> LayerRecord:
         """The record of ``module``, created (and named, if needed) on its first call.
         ``owner`` says, for an outermost call of a module no tree names yet, which module's
         own method called it (a model entered through ``self.forward()``): that module's tree
-        is named, so that its layers are named as its attributes (``fc1``, not ``Linear``)."""
+        is named, so that its layers are named as its attributes (``fc1``, not ``Linear``).
+        ``spelled`` says the name the code calls it by (see :meth:`name_tree`)."""
         record = self._by_module.get(module)
         if record is not None:
             return record
@@ -224,7 +250,7 @@ class LayerRegistry:
                     self.name_tree(holder)
                 named = self._names.get(module)
                 if named is None:
-                    self.name_tree(module)
+                    self.name_tree(module, spelled)
                     named = self._names[module]
             else:
                 named = (self._unique(f"{parent.name}.<{type(module).__name__}>"),
