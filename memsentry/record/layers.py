@@ -170,8 +170,9 @@ class LayerRegistry:
     With a model, names are those of ``model.named_modules()`` (the root is called by its
     class name). Without one, the first module called with no tracked module running is a
     root: it is named by its class and its submodules relative to it; a module called inside
-    another that is not its submodule is named ``parent.<Type>``. Names are made unique
-    with ``#2``, ``#3``.
+    another that is not its submodule is named ``parent.<Type>``. A second root whose names
+    another took is named by the variable that calls it (see :meth:`name_tree`); names still
+    alike are made unique with ``#2``, ``#3``.
     """
 
     def __init__(self) -> None:
