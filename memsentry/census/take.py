@@ -203,7 +203,8 @@ def take_census(
     namespaces: dict[int, tuple[dict[str, Any], str, str | None]] = {}
     _add_frames(walk, frame, namespaces)
     for module in user_modules():
-        namespaces.setdefault(id(vars(module)), (vars(module), module.__name__, module.__file__))
+        namespaces.setdefault(id(vars(module)),
+                              (vars(module), module.__name__, getattr(module, "__file__", None)))
     last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
     if last_error is not None:
         walk.add_root(last_error, (Step(StepKind.ROOT, "sys"), Step(StepKind.ATTRIBUTE,
@@ -247,7 +248,8 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
     for path, obj, kind, scope in roots:
         walk.add_root(obj, path, kind, scope, SourceHint(path[-1].name if path else ""))
     for module in user_modules():
-        add_globals(walk, vars(module), module.__name__, module.__file__, classes=True)
+        add_globals(walk, vars(module), module.__name__, getattr(module, "__file__", None),
+                    classes=True)
     walk.run()
     return walk.found, not walk.budget.exhausted
 

@@ -32,7 +32,7 @@ MACHINERY = frozenset(
 _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
 
 _SOURCE_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
-_MODULE_KINDS: dict[tuple[str, int], bool] = {}
+_MODULE_KINDS: dict[tuple[str, int, str | None], bool] = {}
 #: Code object -> whether its frames are machinery. Code objects of exec'd cells come and go:
 #: bounded, then the answer is worked out again each time.
 _MACHINERY_CODE: dict[types.CodeType, bool] = {}
@@ -139,10 +139,12 @@ def user_modules() -> list[types.ModuleType]:
     """Modules of the user's own code: not the standard library, not installed packages."""
     modules = []
     for name, module in list(sys.modules.items()):
-        key = (name, id(module))
+        path = getattr(module, "__file__", None)
+        # Remembered by name, id and file: a module made later at a freed one's address (a
+        # script's `__main__` replaced by another, with no file) is judged again.
+        key = (name, id(module), path if isinstance(path, str) else None)
         user = _MODULE_KINDS.get(key)
         if user is None:
-            path = getattr(module, "__file__", None)
             user = _MODULE_KINDS[key] = bool(
                 isinstance(path, str) and root_package(name) not in MACHINERY
                 and not is_stdlib(path) and "-packages" not in path
