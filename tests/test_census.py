@@ -130,3 +130,28 @@ def test_censuses_round_trip_through_json(tmp_path) -> None:
     assert again.censuses == report.censuses
     assert again.unused_graphs == report.unused_graphs
     assert memsentry.analyse(again) == report.findings
+
+
+def test_a_module_that_lost_its_file_is_no_longer_walked_as_the_users() -> None:
+    # A script's `__main__` freed by `memsentry run` and an IPython shell's `__main__` (no
+    # file) made later at its address: once judged the user's, every census then raised.
+    import sys
+    import types
+
+    from memsentry.usercode.frames import user_modules
+
+    module = types.ModuleType("memsentry_test_lost_file")
+    module.__file__ = __file__
+    sys.modules[module.__name__] = module
+    try:
+        assert module in user_modules()
+        del module.__file__
+        assert module not in user_modules()
+        model = nn.Linear(4, 4)
+        with memsentry.track(model, on_leak="ignore") as t:
+            for _ in range(5):
+                model(torch.randn(2, 4)).sum().backward()
+                t.step()
+        assert t.report().censuses  # taken, not lost to an AttributeError
+    finally:
+        del sys.modules[module.__name__]
