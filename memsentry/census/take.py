@@ -45,7 +45,7 @@ from memsentry.model import (
 from memsentry.usercode.feeds import Feed, added_value, feeding_call
 from memsentry.usercode.frames import (
     frame_locals,
-    is_stdlib,
+    is_library_file,
     is_user_class,
     release_locals,
     running_frames,
@@ -254,53 +254,42 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
     return walk.found, not walk.budget.exhausted
 
 
-def _file_of(hint: SourceHint, where: Location | None) -> str | None:
-    """The full path of the file ``where`` is in (one of the hint's files)."""
-    if where is None:
-        return None
-    return next((path for path in hint.files if short_path(path) == where.file), None)
-
-
-def _library(path: str) -> bool:
-    return is_stdlib(path) or "-packages" in path
-
-
-def _where(holder: Holder) -> Location | None:
-    """The line of the user's code that fills the holder; for an attribute a library's class
-    fills (``queue.Queue``'s ``queue``), the line that grows its root (``q.put(x)``); else the
-    fallback line (where its frame stood)."""
+def _where(holder: Holder) -> tuple[Location | None, str | None]:
+    """The line of the user's code that fills the holder, with the full path of its file; for
+    an attribute a library's class fills (``queue.Queue``'s ``queue``), the line that grows
+    its root (``q.put(x)``); else the fallback line (where its frame stood)."""
     hint = holder.hint
-    user = [path for path in hint.files if not _library(path)]
+    user = [path for path in hint.files if not is_library_file(path)]
     for path in user:
         line = growth_line(path, hint.name, function_line=hint.function_line)
         if line is not None:
-            return Location(short_path(path), line)
+            return Location(short_path(path), line), path
     if len(holder.path) > 1 and len(user) < len(hint.files) and user:
         line = growth_line(user[-1], holder.path[0].name)
         if line is not None:
-            return Location(short_path(user[-1]), line)
+            return Location(short_path(user[-1]), line), user[-1]
     if hint.files and hint.fallback_line is not None:
-        return Location(short_path(hint.files[0]), hint.fallback_line)
-    return None
+        return Location(short_path(hint.files[0]), hint.fallback_line), hint.files[0]
+    return None, None
 
 
-def _feed(holder: Holder, where: Location | None) -> Feed | None:
-    """For ``x.attr`` filled inside a method of ``x``'s class, the call of that method in the
-    code that holds ``x`` (the last of the hint's files: the root's)."""
+def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | None:
+    """For ``x.attr`` filled inside a method of ``x``'s class (at ``where``, in ``source``),
+    the call of that method in the code that holds ``x`` (the last of the hint's files: the
+    root's)."""
     hint = holder.hint
     if where is None or len(holder.path) < 2 or holder.path[1].kind != StepKind.ATTRIBUTE \
             or len(hint.files) < 2:
         return None
-    return feeding_call(_file_of(hint, where), where.line, hint.files[-1], holder.path[0].name)
+    return feeding_call(source, where.line, hint.files[-1], holder.path[0].name)
 
 
 def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
-    where = _where(holder)
-    added = added_value(_file_of(holder.hint, where), where.line if where else None,
-                        holder.hint.name)
+    where, source = _where(holder)
+    added = added_value(source, where.line if where else None, holder.hint.name)
     return HolderStats(
         path=holder.path, kind=holder.kind, scope=holder.scope, where=where,
-        added=added, feed=_feed(holder, where),
+        added=added, feed=_feed(holder, where, source),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,

@@ -6,7 +6,6 @@ and the line outside that module's methods is where the code called it."""
 
 from __future__ import annotations
 
-import sys
 import types
 import weakref
 
@@ -89,9 +88,4 @@ def spelled_name(module: nn.Module, frame: types.FrameType | None) -> str | None
     return None
 
 
-def current(module: nn.Module) -> tuple[nn.Module | None, Location | None]:
-    """:func:`entered_through` from the caller of the hook that asks."""
-    return entered_through(module, sys._getframe(1))
-
-
-__all__ = ["current", "entered_through", "spelled_name"]
+__all__ = ["entered_through", "spelled_name"]

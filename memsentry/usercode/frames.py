@@ -48,6 +48,11 @@ def is_stdlib(path: str | None) -> bool:
     return path is not None and path.startswith(_STDLIB) and "-packages" not in path
 
 
+def is_library_file(path: str) -> bool:
+    """A file of the standard library or of an installed package: not the user's code."""
+    return is_stdlib(path) or "-packages" in path
+
+
 def is_machinery_frame(frame: types.FrameType) -> bool:
     """Frames of torch, memsentry, pytest, the standard library and notebook shells
     (remembered per code object: the storage counter asks for every new storage)."""
@@ -147,7 +152,7 @@ def user_modules() -> list[types.ModuleType]:
         if user is None:
             user = _MODULE_KINDS[key] = bool(
                 isinstance(path, str) and root_package(name) not in MACHINERY
-                and not is_stdlib(path) and "-packages" not in path
+                and not is_library_file(path)
             )
         if user:
             modules.append(module)
