@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +156,28 @@ def test_a_module_that_lost_its_file_is_no_longer_walked_as_the_users() -> None:
         assert t.report().censuses  # taken, not lost to an AttributeError
     finally:
         del sys.modules[module.__name__]
+
+
+def test_user_modules_follow_sys_modules_between_censuses(tmp_path: Path) -> None:
+    # The answer is reused while sys.modules is unchanged: a module imported, replaced or
+    # removed between two censuses must still be seen as it is now.
+    import sys
+    import types
+
+    from memsentry.usercode.frames import user_modules
+
+    first = types.ModuleType("memsentry_test_later")
+    first.__file__ = str(tmp_path / "later.py")
+    before = user_modules()
+    assert first not in before
+    sys.modules[first.__name__] = first
+    try:
+        assert first in user_modules()
+        second = types.ModuleType("memsentry_test_later")
+        second.__file__ = str(tmp_path / "later.py")
+        sys.modules[first.__name__] = second  # same size, same name, another module
+        now = user_modules()
+        assert second in now and first not in now
+    finally:
+        del sys.modules[first.__name__]
+    assert all(m.__name__ != "memsentry_test_later" for m in user_modules())

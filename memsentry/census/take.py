@@ -106,6 +106,9 @@ def add_log_handlers(walk: Walk) -> None:
     logging = sys.modules.get("logging")
     if logging is None:
         return
+    made = getattr(logging, "_handlerList", None)  # weak references to every handler made
+    if isinstance(made, list) and not any(is_user_class(type(ref())) for ref in list(made)):
+        return  # no handler of the user's classes: no logger to look through
     loggers = [("", logging.getLogger())] + [
         (name, logger) for name, logger in list(logging.Logger.manager.loggerDict.items())
         if isinstance(logger, logging.Logger)]

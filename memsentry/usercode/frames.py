@@ -32,7 +32,11 @@ MACHINERY = frozenset(
 _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
 
 _SOURCE_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
-_MODULE_KINDS: dict[tuple[str, int, str | None], bool] = {}
+#: (name, id) -> (the module, weakly, whether it is the user's).
+_MODULE_KINDS: dict[tuple[str, int], tuple[weakref.ref[Any], bool]] = {}
+#: The last answer of :func:`user_modules`: (size of sys.modules and id of ``__main__``,
+#: (name, module weakly) of each user module).
+_USER_MODULES: tuple[tuple[int, int], list[tuple[str, weakref.ref[Any]]]] | None = None
 #: Code object -> whether its frames are machinery. Code objects of exec'd cells come and go:
 #: bounded, then the answer is worked out again each time.
 _MACHINERY_CODE: dict[types.CodeType, bool] = {}
@@ -140,20 +144,48 @@ def release_locals(frame: types.FrameType) -> None:
             snapshot.clear()
 
 
-def user_modules() -> list[types.ModuleType]:
-    """Modules of the user's own code: not the standard library, not installed packages."""
-    modules = []
+def _judge(name: str, module: Any) -> bool:
+    path = getattr(module, "__file__", None)
+    return bool(isinstance(path, str) and root_package(name) not in MACHINERY
+                and not is_library_file(path))
+
+
+def _scan_modules() -> list[tuple[str, Any]]:
+    """Every user module in ``sys.modules`` now, judged once per module object: an entry
+    remembers its module by a weak reference, so a module made later at a freed one's address
+    (a script's ``__main__`` replaced by another, with no file) is judged again."""
+    found: list[tuple[str, Any]] = []
     for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        # Remembered by name, id and file: a module made later at a freed one's address (a
-        # script's `__main__` replaced by another, with no file) is judged again.
-        key = (name, id(module), path if isinstance(path, str) else None)
-        user = _MODULE_KINDS.get(key)
-        if user is None:
-            user = _MODULE_KINDS[key] = bool(
-                isinstance(path, str) and root_package(name) not in MACHINERY
-                and not is_library_file(path)
-            )
-        if user:
-            modules.append(module)
-    return modules
+        key = (name, id(module))
+        known = _MODULE_KINDS.get(key)
+        if known is not None and known[0]() is module \
+                and not (known[1] and not isinstance(getattr(module, "__file__", None), str)):
+            user = known[1]
+        else:
+            user = _judge(name, module)
+            try:
+                _MODULE_KINDS[key] = (weakref.ref(module), user)
+            except TypeError:  # an object that is not a module, put in sys.modules by hand
+                pass
+        if user and type(module).__weakrefoffset__:
+            found.append((name, module))
+    return found
+
+
+def user_modules() -> list[types.ModuleType]:
+    """Modules of the user's own code: not the standard library, not installed packages.
+    Scanning ``sys.modules`` (thousands of entries with torch loaded) is done again only when
+    it changed in size or ``__main__`` changed, or a module found before lost its place or its
+    file; otherwise the last answer is checked module by module and given again."""
+    global _USER_MODULES
+    fingerprint = (len(sys.modules), id(sys.modules.get("__main__")))
+    cached = _USER_MODULES
+    if cached is not None and cached[0] == fingerprint:
+        modules = [ref() for _, ref in cached[1]]
+        if all(module is not None and sys.modules.get(name) is module
+               and isinstance(getattr(module, "__file__", None), str)
+               for (name, _), module in zip(cached[1], modules, strict=True)):
+            return modules  # type: ignore[return-value]
+    scanned = _scan_modules()
+    _USER_MODULES = (fingerprint, [(name, weakref.ref(module)) for name, module in scanned])
+    return [module for _, module in scanned]
