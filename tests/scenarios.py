@@ -555,21 +555,31 @@ def metric_caches_its_last_loss(steps: int) -> memsentry.Report:
 
 
 # -- time ----------------------------------------------------------------------------------------
-def slow_data(steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for _ in range(steps):
-        time.sleep(0.05)  # decoding and augmenting in the training process
-        yield _batch(16)
+class SlowImages(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples decoded and augmented in the training process: 3 ms each."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.003)
+        return torch.randn(32), torch.tensor(index % 10)
 
 
 def input_bound_loop(steps: int) -> memsentry.Report:
-    """A loop that waits 50 ms for each batch and computes for about 1 ms (one thread: on a
-    busy machine, idle OpenMP threads would turn a 1 ms step into 100)."""
+    """A loop that waits about 50 ms for each batch of 16 from a DataLoader without workers
+    and computes for about 1 ms (one thread: on a busy machine, idle OpenMP threads would turn
+    a 1 ms step into 100)."""
     model, opt = _setup()
+    loader = torch.utils.data.DataLoader(SlowImages(16 * steps), batch_size=16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with memsentry.track(model, on_leak="ignore") as t:
-            for x, y in slow_data(steps):
+            for x, y in loader:
                 nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()

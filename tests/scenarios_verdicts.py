@@ -21,6 +21,7 @@ from scenarios import (
     _batch,
     _setup,
 )
+from scenarios_holders import HOLDER_SCENARIOS
 from scenarios_windows import WINDOW_SCENARIOS
 from torch import nn
 
@@ -333,4 +334,4 @@ VERDICT_SCENARIOS += (
     Scenario("closure keeps tensors", "#3", "leak", "tensor-accumulation", LEAK,
              "log_step.__closure__[0].cell_contents", closure_keeps_tensors),
 )
-ALL_SCENARIOS = SCENARIOS + VERDICT_SCENARIOS + WINDOW_SCENARIOS
+ALL_SCENARIOS = SCENARIOS + VERDICT_SCENARIOS + WINDOW_SCENARIOS + HOLDER_SCENARIOS

@@ -308,3 +308,62 @@ def test_an_unbounded_queue_is_named_at_the_users_put_not_inside_the_library() -
         "FEATURES.put(")
     while not FEATURES.empty():
         FEATURES.get_nowait()
+
+
+# -- byte buffers and DLPack capsules -----------------------------------------------------------
+def test_dlpack_capsules_kept_for_another_library_count_their_tensors_memory() -> None:
+    # A capsule made for a consumer that never takes it keeps the whole output alive in C.
+    model, opt = _model()
+    handoff: dict[str, list[object]] = {"pending": []}
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            out = _step(model, opt, batch=1024)
+            handoff["pending"].append(torch.utils.dlpack.to_dlpack(out.detach()))
+    finding = _leaks(t.report())["tensor-accumulation"]
+    assert finding.message.startswith("`handoff['pending']`")
+    assert "gains 1 buffer/iter" in finding.message
+    assert "DLPack" in finding.message and "DLPack" in finding.fix
+    assert finding.bytes >= 15 * 1024 * 64 * 4
+
+
+def test_consumed_dlpack_capsules_hold_nothing() -> None:
+    # `torch.from_dlpack` takes the memory over: the capsule left behind keeps nothing, and
+    # the tensors made from it are dropped each step.
+    model, opt = _model()
+    spent: list[object] = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            capsule = torch.utils.dlpack.to_dlpack(_step(model, opt, batch=1024).detach())
+            torch.from_dlpack(capsule).sum()
+            spent.append(capsule)
+    leaks = _leaks(t.report())
+    assert "tensor-accumulation" not in leaks, leaks
+
+
+class Recorder:
+    """Keeps raw snapshots of each batch's activations, as a tracing tool might."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[memoryview] = []
+        self.raw: list[bytearray] = []
+
+    def views(self, out: torch.Tensor) -> None:
+        self.snapshots.append(memoryview(out.detach().numpy().copy()))
+
+    def copies(self, out: torch.Tensor) -> None:
+        self.raw.append(bytearray(out.detach().numpy().tobytes()))
+
+
+@pytest.mark.parametrize(("method", "attribute"), [("views", "snapshots"), ("copies", "raw")])
+def test_memoryviews_and_bytearrays_kept_by_an_object_are_counted(method: str,
+                                                                  attribute: str) -> None:
+    model, opt = _model()
+    recorder = Recorder()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            getattr(recorder, method)(_step(model, opt, batch=1024))
+    finding = _leaks(t.report())["tensor-accumulation"]
+    assert finding.message.startswith(f"`recorder.{attribute}`")
+    assert finding.bytes >= 15 * 1024 * 64 * 4
+    kind = "NumPy array" if method == "views" else "buffer"
+    assert f"gains 1 {kind}/iter" in finding.message

@@ -20,8 +20,8 @@ from torch import nn
 from memsentry.model import StepKind
 from memsentry.usercode.frames import MACHINERY, is_user_class, root_package
 
-_ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice,
-          type(Ellipsis), torch.dtype, torch.device, torch.Size, memoryview)
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), range, slice,
+          type(Ellipsis), torch.dtype, torch.device, torch.Size)
 CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_is_full_backward_hook"}
 

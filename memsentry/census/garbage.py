@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from memsentry.census.walk import storage_key
+from memsentry.census.tally import storage_key
 from memsentry.model import GarbageStats
 from memsentry.usercode.frames import is_user_class
 

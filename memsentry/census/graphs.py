@@ -51,7 +51,7 @@ def graph_size(walk: Walk, roots: Iterable[Any], seen: set[int], budget: Budget
         seen.add(id(node))
         nodes += 1
         for tensor in saved_tensors(node):
-            saved += walk.count_bytes(tensor)
+            saved += walk.tally.count_bytes(tensor)
         for child, _index in node.next_functions:
             if child is not None and id(child) not in seen:
                 stack.append(child)

@@ -20,12 +20,11 @@ from torch import nn
 
 from memsentry.census.graphs import graph_size
 from memsentry.census.hooks import hook_census
+from memsentry.census.tally import Holder, SourceHint
 from memsentry.census.walk import (
     CALLABLES,
     OPAQUE,
     Budget,
-    Holder,
-    SourceHint,
     Walk,
     atomic,
     walks_into,
@@ -214,7 +213,7 @@ def take_census(
                       "last_value")), HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "sys"),
                       SourceHint("last_value"))
     for namespace, module_name, path in namespaces.values():
-        add_globals(walk, namespace, module_name, path)
+        add_globals(walk, namespace, module_name, path, classes=True)
     add_log_handlers(walk)
     if model is not None and all(obj is not model for _, obj, _ in named):
         name = type(model).__name__
@@ -254,7 +253,7 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
         add_globals(walk, vars(module), module.__name__, getattr(module, "__file__", None),
                     classes=True)
     walk.run()
-    return walk.found, not walk.budget.exhausted
+    return walk.tally.found, not walk.budget.exhausted
 
 
 def _where(holder: Holder) -> tuple[Location | None, str | None]:
@@ -296,7 +295,8 @@ def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
-        arrays=holder.arrays, nodes=holder.nodes, container=holder.container,
+        arrays=holder.arrays, nodes=holder.nodes, buffers=holder.buffers,
+        container=holder.container,
     )
 
 
@@ -306,11 +306,11 @@ def _freeze_holders(walk: Walk, budget: Budget) -> list[HolderStats]:
     declared first: the state set up before the loop, not the loop's own output."""
     graphs: dict[int, tuple[int, int]] = {}
     nodes_seen: set[int] = set()
-    for holder in sorted(walk.holders.values(), key=walk.declared):
+    for holder in sorted(walk.tally.holders.values(), key=walk.declared):
         graphs[id(holder)] = graph_size(walk, holder.roots, nodes_seen, budget) \
             if holder.roots else (0, 0)
         holder.roots.clear()
-    return [_freeze(holder, *graphs[id(holder)]) for holder in walk.holders.values()]
+    return [_freeze(holder, *graphs[id(holder)]) for holder in walk.tally.holders.values()]
 
 
 def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget
@@ -327,7 +327,7 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: 
                 paths.append((Step(StepKind.ROOT, steps[0]),
                               *(Step(StepKind.ATTRIBUTE, s) for s in [*steps[1:], "grad"])))
                 roots.append(grad.grad_fn)
-                size += walk.count_bytes(grad)
+                size += walk.tally.count_bytes(grad)
     if not paths:
         return []
     nodes, saved = graph_size(walk, roots, set(), budget)

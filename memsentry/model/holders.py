@@ -29,7 +29,9 @@ class HolderStats:
     ``shared_bytes``: of its ``bytes``, those another holder reaches too. ``arrays`` counts
     the NumPy arrays under it (their memory is in ``bytes``: a ``tensor.numpy()`` view as its
     tensor's storage), ``nodes`` the autograd nodes it keeps by themselves (a ``grad_fn``, a
-    custom Function's ``ctx``: their graphs are in the ``graph_*`` figures). ``container`` is
+    custom Function's ``ctx``: their graphs are in the ``graph_*`` figures), ``buffers`` the
+    ``bytearray``, ``memoryview`` and unconsumed DLPack capsules (their memory is in
+    ``bytes``). ``container`` is
     the holder's type when it is a container (``list``, ``dict``, ``deque``) or a function's
     cache (``lru_cache``: ``functools.lru_cache`` or ``functools.cache``), else ``None``.
     ``added`` is the expression the line at ``where`` adds to the holder, as written
@@ -52,6 +54,7 @@ class HolderStats:
     shared_bytes: int = 0
     arrays: int = 0
     nodes: int = 0
+    buffers: int = 0
     container: str | None = None
     added: str | None = None
     feed: Feed | None = None

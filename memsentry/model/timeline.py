@@ -52,10 +52,11 @@ class IterationStats:
     ``allocated`` and ``reserved`` are read at the closing boundary; ``peak`` is the highest
     allocated seen inside the iteration; ``boundary`` says what closed it (a
     :class:`~memsentry.Boundary`: ``"optimizer"``, ``"step"`` for ``t.step()``, or ``"exit"``
-    for the end of tracking, a partial iteration). ``data_seconds`` is the time from the
-    iteration's start to its first module call (waiting for data, moving it, zeroing
-    gradients); ``batch`` is the first dimension of the first tensor given to the outermost
-    module (``None`` when no tensor was given). ``parts`` is what memory held at the
+    for the end of tracking, a partial iteration). ``data_seconds`` is the time the
+    iteration's thread spent fetching batches from a ``DataLoader`` (collating them, or
+    waiting for its workers), ``None`` when it fetched none; ``batch`` is the first
+    dimension of the first tensor given to the outermost module (``None`` when no tensor was
+    given). ``parts`` is what memory held at the
     iteration's peak, by category (``None`` in reports written before breakdowns existed).
     ``sampled`` is false for an iteration memsentry measured only at its closing boundary,
     to keep its cost budget: its ``peak`` is then that boundary's reading, a lower bound, and

@@ -155,7 +155,7 @@ class Boundaries:
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
-            data_seconds=self._clock.data_seconds, sampled=False))
+            data_seconds=self._clock.data_seconds(passed + 1), sampled=False))
         self._sampler.peak = allocated
         if boundary != Boundary.FORWARD:
             self._settle_calls()

@@ -187,6 +187,7 @@ class Recorder:
             forward.hooks.hook_global()
         listen_to_steps(self._optimizer_stepped)
         self._plain.install()
+        self._clock.time_batches()
 
     def stop(self) -> None:
         """Close the partial iteration, remove every hook and forget every module."""
@@ -208,6 +209,7 @@ class Recorder:
 
     def _teardown(self) -> None:
         forget_steps(self._optimizer_stepped)
+        self._clock.stop_timing_batches()
         self._plain.remove()
         self._forward.hooks.remove_all()
         self._censuses.unwatch_collections()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memsentry.model import Boundary, Breakdown, IterationStats
+from memsentry.record.batches import install, uninstall, waited
 from memsentry.record.signals import Signals
 
 
@@ -21,19 +22,39 @@ def batch_size(args: Any) -> int | None:
 
 
 class IterationClock:
-    """The running iteration: its index, when it began, its module calls, the wait before its
-    first call (data loading) and its batch size."""
+    """The running iteration: its index, when it began, its module calls, its batch size and
+    the batch fetches its thread made since it began (see :mod:`memsentry.record.batches`)."""
 
     def __init__(self) -> None:
         self.index = 0
         self.started = time.perf_counter()
         self.calls = 0
-        self.data_seconds: float | None = None
         self.batch: int | None = None
+        self._fetched = waited()
+        self._timing = False
+
+    def time_batches(self) -> None:
+        """Time the DataLoader fetches from now on, until :meth:`stop_timing_batches`."""
+        if not self._timing:
+            install()
+            self._timing = True
+            self._fetched = waited()
+
+    def stop_timing_batches(self) -> None:
+        if self._timing:
+            uninstall()
+            self._timing = False
+
+    def data_seconds(self, iterations: int = 1) -> float | None:
+        """Seconds the running iteration's thread waited for DataLoader batches since it
+        began, per iteration over ``iterations``; ``None`` when it fetched none (the loop
+        reads its data some other way, or did not read any)."""
+        batches, seconds = waited()
+        if batches <= self._fetched[0]:
+            return None
+        return (seconds - self._fetched[1]) / iterations
 
     def module_called(self, args: Any, *, outermost: bool) -> None:
-        if not self.calls:
-            self.data_seconds = time.perf_counter() - self.started
         if outermost and self.batch is None:
             self.batch = batch_size(args)
         self.calls += 1
@@ -44,7 +65,7 @@ class IterationClock:
         return IterationStats(
             index=self.index, allocated=allocated, reserved=reserved, peak=peak,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
-            data_seconds=self.data_seconds, batch=self.batch, parts=parts,
+            data_seconds=self.data_seconds(), batch=self.batch, parts=parts,
         )
 
     def advance(self, now: float) -> None:
@@ -52,7 +73,8 @@ class IterationClock:
         self.index += 1
         self.started = now
         self.calls = 0
-        self.data_seconds = self.batch = None
+        self.batch = None
+        self._fetched = waited()
 
 
 @dataclass

@@ -2,56 +2,31 @@
 
 from __future__ import annotations
 
-import itertools
-
 from memsentry.model import (
     Finding,
-    IterationStats,
     Measured,
     ReportData,
     Severity,
     Subject,
     SubjectKind,
-    growth_per_iteration,
 )
 from memsentry.rules.registry import rule
-from memsentry.rules.series import MIN_CENSUSES, WARMUP, after_warmup, complete_censuses
+from memsentry.rules.series import (
+    MIN_CENSUSES,
+    WARMUP,
+    after_warmup,
+    complete_censuses,
+    steady_growth,
+)
 from memsentry.units import format_bytes
 
 RULE_ID = "memory-growth"
 
 #: Iterations after warm-up needed before growth is judged.
 MIN_ITERATIONS = 4
-#: Share of consecutive iterations that must end higher than the one before.
-MIN_RISING_SHARE = 0.75
-#: Below this rate growth is noise of the measurement (malloc bookkeeping on CPU).
-MIN_RATE = 1024
-#: Share of all the rises that must still be held at the end: a leak keeps what it gains,
-#: a list cleared every epoch (a sawtooth) gives it back.
-MIN_RETAINED_SHARE = 0.5
-#: The latest iterations (this share of them, three at least) must still grow at this share of
-#: the overall rate: a window that filled up and stays full has stopped growing.
-RECENT_SHARE = 1 / 3
-MIN_RECENT_RATE_SHARE = 0.25
 #: On a heap backend, growth of the tensors the censuses reach below this share of the heap's
 #: growth means the heap grows for something else.
 MIN_TENSOR_SHARE = 0.25
-
-
-def _steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
-    """(bytes per iteration, share of rising steps) when ``its`` grow steadily, else None."""
-    steps = [b.allocated - a.allocated for a, b in itertools.pairwise(its)]
-    rising = sum(step > 0 for step in steps) / len(steps)
-    slope = growth_per_iteration(its, warmup=0)
-    if slope is None or rising < MIN_RISING_SHARE or slope < MIN_RATE:
-        return None
-    gained = sum(step for step in steps if step > 0)
-    if its[-1].allocated - its[0].allocated < MIN_RETAINED_SHARE * gained:
-        return None  # memory given back: a sawtooth or a bounded cache, not a climb
-    recent = growth_per_iteration(its[-max(3, round(len(its) * RECENT_SHARE)):], warmup=0)
-    if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * slope):
-        return None  # it grew, then stopped: a window or cache that filled up
-    return slope, rising
 
 
 def _reachable_growth(report: ReportData) -> tuple[float, int] | None:
@@ -81,7 +56,7 @@ def memory_growth(report: ReportData) -> list[Finding]:
     complete = after_warmup(report)
     if len(complete) < MIN_ITERATIONS:
         return []
-    growth = _steady_growth(complete)
+    growth = steady_growth(complete)
     if growth is None:
         return []
     rate, rising = growth

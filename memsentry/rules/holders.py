@@ -19,7 +19,9 @@ from memsentry.model import (
 )
 from memsentry.rules.registry import rule
 from memsentry.rules.series import (
+    MIN_CENSUSES,
     Trend,
+    after_warmup,
     base_name,
     describe_holder,
     grows_steadily,
@@ -30,6 +32,7 @@ from memsentry.rules.series import (
     latest,
     per_iteration,
     sawtooth_note,
+    steady_growth,
     trend,
 )
 from memsentry.units import format_bytes
@@ -48,7 +51,8 @@ def _noun(holder: HolderStats) -> str:
     """What the holder mostly keeps: ``tensor``, ``model``, ``NumPy array``, ``autograd
     node``."""
     kinds = [(holder.tensors, "tensor"), (holder.arrays, "NumPy array"),
-             (holder.nodes, "autograd node"), (holder.modules, "model")]
+             (holder.nodes, "autograd node"), (holder.buffers, "buffer"),
+             (holder.modules, "model")]
     if holder.modules and not holder.tensors:
         return "model"
     return max(kinds, key=lambda kind: kind[0])[1]
@@ -71,7 +75,9 @@ def _merge(path: tuple[Step, ...], entries: list[HolderStats | None]) -> HolderS
         graph_tensors=sum(e.graph_tensors for e in present),
         graph_nodes=sum(e.graph_nodes for e in present),
         graph_saved_bytes=sum(e.graph_saved_bytes for e in present),
-        modules=sum(e.modules for e in present),
+        modules=sum(e.modules for e in present), arrays=sum(e.arrays for e in present),
+        nodes=sum(e.nodes for e in present), buffers=sum(e.buffers for e in present),
+        shared_bytes=sum(e.shared_bytes for e in present),
     )
 
 
@@ -80,30 +86,92 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     """A list, dict, deque or attribute gains tensors (or whole models) at every census.
 
     Worse when they carry ``grad_fn``: each keeps its batch's graph and saved activations.
-    Several keys of one dict that all grow (a logger's history) make one finding.
+    The string keys of one dict are judged together (:func:`_keyed`).
     """
     censuses, table = holder_series(report)
-    groups: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
+    allocated = steady_growth(after_warmup(report))
+    keyed: dict[tuple[Step, ...], list[tuple[Step, ...]]] = {}
     findings = []
     for path, row in table.items():
         last = latest(row)
         if last is None or last.bound is not None:
             continue  # a deque(maxlen=k) cannot pass k: a window, not a leak
-        count = trend(censuses, row, held_count)
-        if count.climbs(teeth=False) or _material_tooth(censuses, row, count):
-            groups.setdefault(_parent(path), []).append(path)
-        elif last.kind != HolderKind.GRADIENT:
-            size = trend(censuses, row, lambda h: h.bytes)
-            if grows_steadily(size):
-                findings.append(_growing_tensor(row, size))
-    for parent, paths in groups.items():
-        if len(paths) == 1:
-            row, keys = table[paths[0]], ""
+        parent = _parent(path)
+        if parent != path:
+            keyed.setdefault(parent, []).append(path)
+        elif _accumulates(censuses, row):
+            findings.append(_accumulation(censuses, row, ""))
         else:
-            row = [_merge(parent, [table[p][i] for p in paths]) for i in range(len(censuses))]
-            keys = ", ".join(sorted(p[-1].spelled() for p in paths))
-        findings.append(_accumulation(censuses, row, keys))
+            findings += _growing(censuses, row, allocated)
+    for parent, paths in keyed.items():
+        findings += _keyed(censuses, table, parent, paths, allocated)
     return findings
+
+
+Row = list[HolderStats | None]
+
+
+def _accumulates(censuses: list[Census], row: Row) -> bool:
+    count = trend(censuses, row, held_count)
+    return count.climbs(teeth=False) or _material_tooth(censuses, row, count)
+
+
+def _growing(censuses: list[Census], row: Row, allocated: tuple[float, float] | None
+             ) -> list[Finding]:
+    """One tensor whose bytes climb (a bank concatenated onto itself), as its own finding."""
+    last = latest(row)
+    if last is None or last.kind == HolderKind.GRADIENT:
+        return []
+    size = trend(censuses, row, lambda h: h.bytes)
+    if grows_steadily(size) or _explains_growth(size, allocated):
+        return [_growing_tensor(row, size)]
+    return []
+
+
+def _keyed(censuses: list[Census], table: dict[tuple[Step, ...], Row],
+           parent: tuple[Step, ...], paths: list[tuple[Step, ...]],
+           allocated: tuple[float, float] | None) -> list[Finding]:
+    """The string keys of one dict, together: a key added at every step
+    (``results[f"step{i}"] = out``) or several keys that each grow (a logger's history) make
+    one finding, naming the keys that gained; a key whose one tensor grows, its own."""
+    merged = [_merge(parent, [table[p][i] for p in paths]) for i in range(len(censuses))]
+    if not _accumulates(censuses, merged):
+        return [finding for p in paths for finding in _growing(censuses, table[p], allocated)]
+    gained = [p for p in paths if _gained(table[p])] or paths
+    if len(gained) == 1:
+        return [_accumulation(censuses, table[gained[0]], "")]
+    row = [_merge(parent, [table[p][i] for p in gained]) for i in range(len(censuses))]
+    return [_accumulation(censuses, row, _key_list(gained))]
+
+
+def _gained(row: Row) -> bool:
+    """A key still there at the last census that appeared after the first, or holds more."""
+    first, last = row[0], row[-1]
+    return last is not None and (first is None or held_count(last) > held_count(first))
+
+
+def _key_list(paths: list[tuple[Step, ...]], shown: int = 4) -> str:
+    keys = [p[-1].spelled() for p in paths]  # in the order they appeared
+    if len(keys) <= shown:
+        return ", ".join(keys)
+    return f"{', '.join(keys[:shown - 1])} and {len(keys) - shown + 1:,} more"
+
+
+#: A holder whose bytes rose at every census (three at least) is named as the cause of the
+#: allocated memory's steady growth when its own rate is within this factor of that growth's.
+EXPLAINS = 2.0
+
+
+def _explains_growth(size: Trend, allocated: tuple[float, float] | None) -> bool:
+    """The holder's bytes rose at every census, steadily, at the pace the allocated memory
+    grows (``memory-growth``'s judgement): before five censuses make its own case, the
+    allocated counter corroborates it."""
+    if allocated is None or not grows_steadily(size, points=MIN_CENSUSES):
+        return False
+    first, last = size.windows()[-1]
+    span = size.iterations[last] - size.iterations[first]
+    rate = (size.values[last] - size.values[first]) / span
+    return allocated[0] / EXPLAINS <= rate <= allocated[0] * EXPLAINS
 
 
 def _growing_tensor(row: list[HolderStats | None], size: Trend) -> Finding:
@@ -148,6 +216,9 @@ def _what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
     if last.arrays:
         message += (f"; {last.arrays:,} are NumPy arrays, counted with the memory they own or "
                     "the tensor they view (`.numpy()` shares the tensor's storage)")
+    if last.buffers:
+        message += (f"; {last.buffers:,} are buffers (`bytearray`, `memoryview`, DLPack "
+                    "capsules not yet consumed), counted with the memory they hold")
     if last.nodes:
         message += (f"; {last.nodes:,} are autograd nodes kept by themselves (a `grad_fn`, a "
                     f"custom Function's `ctx`), and with them their graph "
@@ -181,6 +252,12 @@ _FIXES = {
         "or a `.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole "
         "storage), write them to disk (`np.save`), and clear `{base}` each epoch or bound it "
         "with `collections.deque(maxlen=k)`"
+    ),
+    "buffer": (
+        "keep in `{base}` only what you still need: a DLPack capsule keeps its tensor's "
+        "memory until it is consumed (`torch.from_dlpack`) or dropped, a `memoryview` keeps "
+        "the object it views; copy out the bytes you use (`bytes(view)`) and clear `{base}` "
+        "each epoch or bound it with `collections.deque(maxlen=k)`"
     ),
     "autograd node": (
         "keep in `{base}` the values you need, not `grad_fn` or `ctx` objects: each keeps its "

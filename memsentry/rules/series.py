@@ -18,6 +18,7 @@ from memsentry.model import (
     Step,
     StepKind,
     complete,
+    growth_per_iteration,
     spell,
 )
 from memsentry.model.places import until_subscript
@@ -127,11 +128,12 @@ GROWING_POINTS = 5
 GROWING_STEADY = 4.0
 
 
-def grows_steadily(size: Trend) -> bool:
-    """Bytes that rose at every census of the latest window, steadily (see ``GROWING_*``)."""
+def grows_steadily(size: Trend, points: int = GROWING_POINTS) -> bool:
+    """Bytes that rose at every census of the latest window, steadily (see ``GROWING_*``),
+    over ``points`` censuses at least."""
     first, last = size.windows()[-1]
     values, its = size.values[first:last + 1], size.iterations[first:last + 1]
-    if len(values) < GROWING_POINTS or its[-1] == its[0]:
+    if len(values) < points or its[-1] == its[0]:
         return False
     rates = [(b - a) / (j - i) for (a, b), (i, j)
              in zip(itertools.pairwise(values), itertools.pairwise(its), strict=True)]
@@ -162,8 +164,9 @@ TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
 
 
 def held_count(holder: HolderStats) -> float:
-    """What a holder keeps, counted: tensors, whole models, NumPy arrays, autograd nodes."""
-    return holder.tensors + holder.modules + holder.arrays + holder.nodes
+    """What a holder keeps, counted: tensors, whole models, NumPy arrays, autograd nodes,
+    byte buffers."""
+    return holder.tensors + holder.modules + holder.arrays + holder.nodes + holder.buffers
 
 
 def base_name(holder: HolderStats) -> str:
@@ -260,3 +263,36 @@ def describe_holder(holder: HolderStats) -> str:
 def plural(count: float, noun: str) -> str:
     """``1 tensor``, ``4 tensors``."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
+#: How allocated memory must grow to be steady (:func:`steady_growth`).
+#: Share of consecutive iterations that must end higher than the one before.
+MIN_RISING_SHARE = 0.75
+#: Below this rate growth is noise of the measurement (malloc bookkeeping on CPU).
+MIN_RATE = 1024
+#: Share of all the rises that must still be held at the end: a leak keeps what it gains,
+#: a list cleared every epoch (a sawtooth) gives it back.
+MIN_RETAINED_SHARE = 0.5
+#: The latest iterations (this share of them, three at least) must still grow at this share of
+#: the overall rate: a window that filled up and stays full has stopped growing.
+RECENT_SHARE = 1 / 3
+MIN_RECENT_RATE_SHARE = 0.25
+
+
+def steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
+    """(bytes per iteration, share of rising steps) when the allocated memory of ``its`` grows
+    steadily (the ``memory-growth`` judgement), else None (also with fewer than four)."""
+    if len(its) < 4:
+        return None
+    steps = [b.allocated - a.allocated for a, b in itertools.pairwise(its)]
+    rising = sum(step > 0 for step in steps) / len(steps)
+    slope = growth_per_iteration(its, warmup=0)
+    if slope is None or rising < MIN_RISING_SHARE or slope < MIN_RATE:
+        return None
+    gained = sum(step for step in steps if step > 0)
+    if its[-1].allocated - its[0].allocated < MIN_RETAINED_SHARE * gained:
+        return None  # memory given back: a sawtooth or a bounded cache, not a climb
+    recent = growth_per_iteration(its[-max(3, round(len(its) * RECENT_SHARE)):], warmup=0)
+    if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * slope):
+        return None  # it grew, then stopped: a window or cache that filled up
+    return slope, rising

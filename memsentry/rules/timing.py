@@ -17,8 +17,10 @@ MIN_WAIT = 0.005
 
 @rule(RULE_ID, severities={Severity.HINT})
 def input_bound(report: ReportData) -> list[Finding]:
-    """The median time from an iteration's start (the previous optimizer step or ``t.step()``)
-    to its first module call exceeds the median time from there to the iteration's end."""
+    """The median time an iteration spends fetching its batch from a ``DataLoader`` exceeds
+    the median time of the rest of it (forward, backward, step and the loop's own code).
+    Loops that read data some other way are not judged: their wait cannot be told apart from
+    their own work."""
     timed = [it for it in report.iterations if it.data_seconds is not None]
     its = complete(timed, skip=WARMUP)
     if len(its) < MIN_ITERATIONS:
@@ -29,10 +31,10 @@ def input_bound(report: ReportData) -> list[Finding]:
         return []
     share = wait / (wait + compute)
     message = (
-        f"the loop waits {wait * 1e3:.1f} ms per iteration before its first forward (loading, "
-        f"collating and moving the batch) against {compute * 1e3:.1f} ms of forward, "
-        f"backward and step (medians of {len(its)} iterations): the model idles "
-        f"{share:.0%} of the time"
+        f"the loop waits {wait * 1e3:.1f} ms per iteration for the DataLoader's next batch "
+        f"(loading and collating it, or waiting for its workers) against "
+        f"{compute * 1e3:.1f} ms for the rest of the iteration (medians of {len(its)} "
+        f"iterations): the model idles {share:.0%} of the time"
     )
     fix = (
         "load in parallel: DataLoader(..., num_workers=N, pin_memory=True, "
