@@ -232,6 +232,38 @@ def test_the_fix_names_the_expression_the_line_adds() -> None:
     assert "loss" not in finding.fix
 
 
+def test_a_running_average_is_fixed_as_an_average_not_a_sum() -> None:
+    # `+= x.item()` would turn the moving average into a sum: the line itself is rewritten.
+    model, opt = _model()
+    smoothed = 0.0
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            batch_loss = model(torch.randn(32, 64)).pow(2).mean()
+            opt.zero_grad()
+            batch_loss.backward()
+            opt.step()
+            smoothed = 0.98 * smoothed + 0.02 * batch_loss
+    finding = _leaks(t.report())["retained-graph"]
+    assert "`smoothed = 0.98 * smoothed + 0.02 * batch_loss.item()`" in finding.fix
+    assert "+=" not in finding.fix
+
+
+def test_a_line_whose_tensor_cannot_be_told_gets_no_invented_name() -> None:
+    # Two values besides the holder (`decay` and the loss): no guess at which is the tensor.
+    model, opt = _model()
+    decay, ema = 0.9, 0.0
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            objective = model(torch.randn(32, 64)).pow(2).mean()
+            opt.zero_grad()
+            objective.backward()
+            opt.step()
+            ema = decay * ema + (1 - decay) * objective
+    finding = _leaks(t.report())["retained-graph"]
+    assert "add `x.item()` to `ema`" in finding.fix
+    assert "loss" not in finding.fix and "+=" not in finding.fix
+
+
 # -- suspended generators ----------------------------------------------------------------------
 def batches(size: int):  # type: ignore[no-untyped-def]
     made = []

@@ -83,6 +83,39 @@ def test_a_layer_applied_twice_inside_a_method_entered_model_is_still_one_findin
     assert [layer.name for layer in t.report().layers] == ["layer"]  # not `Linear`
 
 
+def _validate(model: nn.Module) -> float:
+    return model(torch.randn(64, 16)).mean().item()  # no no_grad here
+
+
+def _predict(model: nn.Module) -> torch.Tensor:
+    return model(torch.randn(8, 16)).argmax(-1)  # nor here
+
+
+def test_each_call_site_without_no_grad_is_its_own_finding_at_its_line() -> None:
+    # Two functions run the model with autograd on: each is a line to change, and neither's
+    # calls are counted as the other's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, on_leak="ignore", overhead=None) as t:
+        for step in range(12):
+            model(torch.randn(32, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            _validate(model)
+            if step % 3 == 0:
+                _predict(model)
+    found = {f.location.function: f for f in t.report().findings
+             if f.rule == "missing-no-grad" and f.location is not None}
+    assert set(found) == {"_validate", "_predict"}
+    assert "ran 12 forward passes" in found["_validate"].message
+    assert "ran 4 forward passes" in found["_predict"].message
+    for function, text in ((_validate, "model(torch.randn(64"), (_predict, "model(torch.randn(8")):
+        lines, first = inspect.getsourcelines(function)
+        line = first + next(i for i, source in enumerate(lines) if text in source)
+        assert found[function.__name__].location.line == line  # type: ignore[union-attr]
+
+
 def test_forward_passes_counted_in_part_are_said_to_be_a_lower_bound() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))

@@ -41,7 +41,7 @@ from memsentry.model import (
     Step,
     StepKind,
 )
-from memsentry.usercode.feeds import Feed, added_value, feeding_call
+from memsentry.usercode.feeds import Feed, added_value, feeding_call, rewritten
 from memsentry.usercode.frames import (
     frame_locals,
     is_library_file,
@@ -288,10 +288,12 @@ def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | 
 
 def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
     where, source = _where(holder)
-    added = added_value(source, where.line if where else None, holder.hint.name)
+    line = where.line if where else None
+    added = added_value(source, line, holder.hint.name)
+    rewrite = rewritten(source, line, holder.hint.name) if added is None else None
     return HolderStats(
         path=holder.path, kind=holder.kind, scope=holder.scope, where=where,
-        added=added, feed=_feed(holder, where, source),
+        added=added, rewrite=rewrite, feed=_feed(holder, where, source),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,

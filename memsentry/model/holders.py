@@ -35,7 +35,9 @@ class HolderStats:
     the holder's type when it is a container (``list``, ``dict``, ``deque``) or a function's
     cache (``lru_cache``: ``functools.lru_cache`` or ``functools.cache``), else ``None``.
     ``added`` is the expression the line at ``where`` adds to the holder, as written
-    (``errD`` in ``epoch_errD += errD``); ``feed``, for an attribute filled inside a method of
+    (``errD`` in ``epoch_errD += errD``); ``rewrite``, when the line folds a tensor into the
+    holder some other way (``ema = 0.9 * ema + 0.1 * loss``), that line adding a number
+    instead; ``feed``, for an attribute filled inside a method of
     the user's class, the call that hands it the value (``losses.update(loss, n)``).
     """
 
@@ -57,6 +59,7 @@ class HolderStats:
     buffers: int = 0
     container: str | None = None
     added: str | None = None
+    rewrite: str | None = None
     feed: Feed | None = None
 
     @property

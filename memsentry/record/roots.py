@@ -84,7 +84,8 @@ class RootCalls:
         self._pass_end = PassEnd(self._passed) if backward_done is not None else None
         self._pass_seen = False  # a backward pass reached a watched call since last asked
         self._running: list[RootCall] = []
-        self._unused: dict[str, UnusedGraph] = {}
+        #: Unused calls by module and call site: each site is a line to put under no_grad.
+        self._unused: dict[tuple[str, Location | None], UnusedGraph] = {}
         self._entries: dict[str, RootCall] = {}  # the latest call of each model so entered
         self._owners: dict[str, str] = {}  # a layer called by such a model's method: the model
         self.thin = False  # light calls are watched thinned out (see :data:`WATCHED`)
@@ -163,7 +164,8 @@ class RootCalls:
                 handle.remove()
             call.members = None
             if not call.used:
-                self._unused[call.name] = call.fold_into(self._unused.get(call.name))
+                key = (call.name, call.where)
+                self._unused[key] = call.fold_into(self._unused.get(key))
         self._running = kept
 
     def abandon(self) -> None:
@@ -180,8 +182,8 @@ class RootCalls:
         each with the calls of its module left unwatched."""
         unused = dict(self._unused)
         for call in self._running:
-            if not call.used and call.name not in unused:
-                unused[call.name] = call.fold_into(None)
+            if not call.used and (call.name, call.where) not in unused:
+                unused[call.name, call.where] = call.fold_into(None)
         return tuple(replace(graph, unwatched=self._unwatched_of(graph.module))
                      for graph in unused.values())
 

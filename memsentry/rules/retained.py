@@ -92,11 +92,11 @@ def retained_graph(report: ReportData) -> list[Finding]:
         findings.append(
             Finding(
                 rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes, objects=last.graph_nodes,
+                bytes=last.bytes + last.graph_saved_bytes, objects=int(nodes.values[most]),
                 rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
                 subject=Subject.holder(last.path),
                 location=last.feed.where if last.feed is not None else last.where,
-                iteration=nodes.iterations[-1],
+                iteration=nodes.iterations[most],  # the census the message quotes
             )
         )
     return findings
@@ -124,10 +124,15 @@ def _number_fix(last: HolderStats) -> str:
             f"({feed.where}); `{feed.call}` stores `{feed.argument}` and its graph in "
             f"`{last.name}`"
         )
-    value = last.added or "loss"
+    if last.rewrite is not None:
+        return (f"accumulate a number, not the tensor: `{last.rewrite}` (or `.detach()` the "
+                "tensor)")
+    if last.added is None:
+        return (f"accumulate a number, not the tensor: add `x.item()` to `{base_name(last)}` "
+                "where it adds a tensor `x` (or `x.detach()`)")
     return (
-        f"accumulate a number, not the tensor: `{base_name(last)} += {_item(value)}` (or "
-        f"`{value}.detach()`)"
+        f"accumulate a number, not the tensor: `{base_name(last)} += {_item(last.added)}` "
+        f"(or `{last.added}.detach()`)"
     )
 
 

@@ -65,6 +65,54 @@ def _added_value(path: str, mtime: float | None, line: int, name: str) -> str | 
     return None
 
 
+def rewritten(path: str | None, line: int | None, name: str) -> str | None:
+    """The statement at ``line`` with the one tensor it folds into ``name`` made a number:
+    ``loss_ema = 0.9 * loss_ema + 0.1 * loss.item()`` for a running average, which
+    ``+= x.item()`` would turn into a sum. ``None`` unless the line assigns to ``name`` an
+    expression of ``name`` and exactly one other value (a name, attribute, subscript or call)
+    on one line."""
+    if not path or line is None:
+        return None
+    return _rewritten(path, mtime(path), line, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rewritten(path: str, mtime: float | None, line: int, name: str) -> str | None:
+    tree = parse(path, mtime)
+    if tree is None:
+        return None
+    for node, _function in walk_functions(tree, None):
+        if isinstance(node, ast.Assign) and node.lineno == line == node.end_lineno \
+                and any(spells(t, name) for t in node.targets):
+            others = _other_values(node.value, name)
+            if others is None or len(others) != 1:
+                return None
+            statement = _segment(path, node)
+            term = _segment(path, others[0])
+            if statement is None or term is None:
+                return None
+            start = others[0].col_offset - node.col_offset
+            end = start + len(term)
+            return statement[:start] + term + ".item()" + statement[end:]
+    return None
+
+
+def _other_values(value: ast.AST, name: str) -> list[ast.expr] | None:
+    """The values ``value`` combines with ``name`` (``None`` when ``name`` is not in it)."""
+    found: list[ast.expr] = []
+    uses = False
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if spells(node, name):
+            uses = True
+        elif isinstance(node, ast.Name | ast.Attribute | ast.Subscript | ast.Call):
+            found.append(node)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+    return found if uses else None
+
+
 def _value_of(node: ast.AST, name: str) -> ast.AST | None:
     if isinstance(node, ast.AugAssign) and spells(node.target, name):
         return node.value
