@@ -399,3 +399,30 @@ def test_memoryviews_and_bytearrays_kept_by_an_object_are_counted(method: str,
     assert finding.bytes >= 15 * 1024 * 64 * 4
     kind = "NumPy array" if method == "views" else "buffer"
     assert f"gains 1 {kind}/iter" in finding.message
+
+
+# -- dicts keyed by strings ----------------------------------------------------------------------
+def test_a_dict_given_a_new_string_key_every_step_is_one_leak() -> None:
+    model, opt = _model()
+    snapshots: dict[str, torch.Tensor] = {}
+    with memsentry.track(model, on_leak="ignore") as t:
+        for step in range(STEPS):
+            snapshots[f"step_{step:04d}"] = _step(model, opt, batch=256).detach()
+    (finding,) = [f for f in t.report().findings if f.rule == "tensor-accumulation"]
+    assert finding.severity is Severity.LEAK
+    assert finding.message.startswith("`snapshots` (a local of ")
+    assert "gains 1 tensor/iter across its keys ['step_0" in finding.message
+    assert "more" in finding.message  # the keys are listed in part, not all twenty
+
+
+def test_a_dict_whose_string_keys_are_replaced_every_step_is_not_a_leak() -> None:
+    model, opt = _model()
+    latest: dict[str, torch.Tensor] = {}
+    with memsentry.track(model, on_leak="ignore") as t:
+        for step in range(STEPS):
+            out = _step(model, opt, batch=256).detach()
+            latest["output"] = out
+            latest["mean"] = out.mean(0)
+            if step % 5 == 0:  # a key that comes later, and stays one tensor
+                latest["every_fifth"] = out[:1].clone()
+    assert not _leaks(t.report())
