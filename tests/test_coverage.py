@@ -143,3 +143,22 @@ def test_a_bad_overhead_is_refused_before_anything_is_hooked(overhead: object) -
     with pytest.raises(ValueError, match=r"track\(overhead=\.\.\.\)"):
         memsentry.track(model, overhead=overhead)  # type: ignore[arg-type]
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_note_names_no_iteration_that_a_later_optimizer_step_merged_away(
+        no_floor: None) -> None:
+    # A script that evaluates before it trains (YOLO's get_bboxes before train_fn): its first
+    # iterations are the model's calls, merged into one when the optimizer first steps. The
+    # iteration whose cost narrowed the measuring is gone; the note must not quote it.
+    model = make_model()
+    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+        with torch.no_grad():
+            for _ in range(12):
+                model(torch.randn(8, 16))
+        train(model, 3)
+    report = t.report()
+    (note,) = [n for n in report.notes if "measured the layers in turn" in n]
+    indices = {it.index for it in report.iterations}
+    quoted = [int(word.rstrip(",.")) for word in note.split("iteration ")[1:]
+              for word in [word.split()[0]]]
+    assert quoted and all(index in indices for index in quoted), (note, sorted(indices))

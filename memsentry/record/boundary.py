@@ -133,6 +133,7 @@ class Boundaries:
             self._budget.merged(self._clock.index - merged, self._timeline.merged_sampled)
             self._clock.index = merged
             self._censuses.forget_since(merged)
+            self._coverage.merged(merged)
         self.overall_peak = max(self.overall_peak, sampler.peak)
         if boundary != Boundary.FORWARD:  # a backward may still come (an episode's update)
             self._settle_calls()

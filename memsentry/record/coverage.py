@@ -94,6 +94,14 @@ class Coverage:
         """A hook that began at ``started`` only counted a call (nothing measured)."""
         self.budget.charge(HOOKS, time.perf_counter() - started, 0)
 
+    def merged(self, into: int) -> None:
+        """The iterations after ``into`` were merged into it (a stronger boundary came: the
+        calls a model made before the first optimizer step): the iteration whose cost
+        narrowed the measuring is gone, and measuring in turn began within ``into``."""
+        if self.since is not None and self.since > into:
+            self.since = into
+            self.busiest = None
+
     def end_iteration(self, index: int, seconds: float, layers: int) -> None:
         """Iteration ``index`` ended after ``seconds``; ``layers`` layers are known now.
         Sets the window of the next iteration: its size in proportion to the time left in
@@ -127,20 +135,28 @@ class Coverage:
 
 def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
     """What the report says when layers were measured in turn (nothing when every call was)."""
-    if coverage.since is None or coverage.busiest is None or not coverage.skipped:
+    if coverage.since is None or not coverage.skipped:
         return []
-    own, loop = coverage.busiest
     measured = [r for r in registry.records.values() if r.calls]
     fewest = min(measured, key=lambda r: (r.measured, r.index)) if measured else None
     share = f"{coverage.overhead:.0%}" if coverage.overhead is not None else "no limit"
     detail = (f" The least measured layer, `{fewest.name}`, was measured in {fewest.measured} "
               "calls." if fewest is not None else "")
+    if coverage.busiest is not None:
+        own, loop = coverage.busiest
+        why = (
+            f"Measuring every layer call took {own * 1e3:.1f} ms in iteration "
+            f"{coverage.since - 1}, {own / loop:.0%} of that iteration's {loop * 1e3:.1f} ms of "
+            f"the loop's own work (the limit is {share}, track(overhead=...); the iterations "
+            f"table's durations include memsentry's work). From iteration {coverage.since} "
+        )
+    else:  # the iteration that narrowed it was merged into a later one
+        why = (
+            f"Measuring every layer call took more than {share} of the loop's own work "
+            f"(track(overhead=...)). From iteration {coverage.since} "
+        )
     return [
-        f"Measuring every layer call took {own * 1e3:.1f} ms in iteration "
-        f"{coverage.since - 1}, {own / loop:.0%} of that iteration's {loop * 1e3:.1f} ms of "
-        f"the loop's own work (the limit is {share}, track(overhead=...); the iterations "
-        f"table's durations include memsentry's work). From iteration {coverage.since} "
-        "memsentry measured the layers "
+        f"{why}memsentry measured the layers "
         f"in turn, as few as {int(coverage.narrowest)} of {coverage.layers} an iteration, so "
         "each layer's figures come from some of its calls (the iterations table still has "
         f"every boundary).{detail} track(overhead=None) measures every call."
