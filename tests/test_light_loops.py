@@ -134,6 +134,16 @@ def test_a_buffer_of_plain_records_is_skipped_in_bulk() -> None:
     assert not only_atoms(records[:100])  # small: walked as before
 
 
+def test_a_dataset_of_dicts_is_skipped_in_bulk_unless_a_tensor_is_in_it() -> None:
+    # A dataset kept as a list of dicts (a DataLoader's usual source): thousands of records
+    # of numbers, strings and short lists; a tensor two levels down is still walked to.
+    records = [{"features": [float(i)] * 8, "label": i % 4, "path": f"img_{i}.jpg"}
+               for i in range(5_000)]
+    assert only_atoms(records)
+    assert not only_atoms([*records, {"features": [torch.ones(2)], "label": 0}])
+    assert not only_atoms([*records, {"nested": {"deeper": [torch.ones(2)]}}])
+
+
 def test_a_buffer_that_keeps_graphs_in_its_records_is_named() -> None:
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

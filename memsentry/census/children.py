@@ -105,15 +105,26 @@ def only_atoms(obj: Any) -> bool:
             return True
         if isinstance(obj, dict) or not kinds <= _RECORDS | _ATOM_TYPES:
             return False
-        fields = list(itertools.chain.from_iterable(
-            item for item in obj if type(item) in _RECORDS))
-        return _plain_values(fields)
+        return _plain_values(_fields_of(item for item in obj if type(item) in _RECORDS))
     except Exception:  # changed size while read: walk it item by item
         return False
 
 
-#: The records whose fields :func:`only_atoms` checks in bulk.
-_RECORDS = frozenset((tuple, list))
+#: The records whose fields :func:`only_atoms` checks in bulk (a dict: its keys and values).
+_RECORDS = frozenset((tuple, list, dict))
+
+
+def _fields_of(records: Iterator[Any], depth: int = 2) -> list[Any]:
+    """The fields of ``records``, and of the lists, tuples and dicts among them, ``depth``
+    levels down (a dataset's ``{"features": [0.1, ...], "label": 3}``)."""
+    fields = list(itertools.chain.from_iterable(
+        itertools.chain(record, record.values()) if type(record) is dict else record
+        for record in records))
+    if depth > 1 and any(type(field) in _RECORDS for field in fields):
+        nested = [field for field in fields if type(field) in _RECORDS]
+        return [field for field in fields if type(field) not in _RECORDS] \
+            + _fields_of(iter(nested), depth - 1)
+    return fields
 
 
 def _plain_values(values: list[Any]) -> bool:

@@ -46,6 +46,7 @@ from memsentry.model.kinds import (
     SubjectKind,
 )
 from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
+from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
@@ -85,6 +86,7 @@ __all__ = [
     "PartCost",
     "PeakMode",
     "Phase",
+    "ProcessSample",
     "ReportData",
     "ReportDiff",
     "RunSummary",
@@ -96,6 +98,7 @@ __all__ = [
     "Subject",
     "SubjectKind",
     "UnusedGraph",
+    "WorkerMemory",
     "complete",
     "growth_per_iteration",
     "spell",

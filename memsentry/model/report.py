@@ -16,6 +16,7 @@ from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
 from memsentry.model.oom import OutOfMemory
+from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.model.reading import read_json
 from memsentry.model.timeline import IterationStats, LayerStats
 
@@ -48,6 +49,8 @@ class ReportData:
     it is (``None`` outside one), and rank 0's report combines every rank's: ``ranks`` holds
     the per-rank reports in rank order (those that reported) and ``findings`` all of theirs,
     each with its ``rank``. ``cost`` is what memsentry's own work took, part by part.
+    ``workers`` are the DataLoader worker processes followed while tracking, ``process`` the
+    tracked process's own readings as the system counts it (taken with theirs).
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -77,6 +80,8 @@ class ReportData:
     host: str | None = None
     ranks: tuple[ReportData, ...] = ()
     cost: Cost | None = None
+    workers: tuple[WorkerMemory, ...] = ()
+    process: tuple[ProcessSample, ...] = ()
 
     @property
     def breakdown(self) -> Breakdowns:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from memsentry.record.workers import fetched, reset
+
 _lock = threading.Lock()
 _users = 0
 #: (class, the method found there) for each class wrapped.
@@ -33,11 +35,11 @@ def _iterator_classes() -> list[type]:
             if isinstance(cls, type) and callable(vars(cls).get("_next_data"))]
 
 
-def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(original: Callable[..., Any], workers: bool) -> Callable[..., Any]:
     def _next_data(self: Any) -> Any:
         began = time.perf_counter()
         try:
-            return original(self)
+            data = original(self)
         finally:
             spent = time.perf_counter() - began
             entry = _waits.get(threading.get_ident())
@@ -45,6 +47,12 @@ def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
                 entry = _waits.setdefault(threading.get_ident(), [0, 0.0])
             entry[0] += 1
             entry[1] += spent
+        if workers:
+            try:
+                fetched(self)
+            except Exception:
+                pass
+        return data
 
     _next_data.__wrapped__ = original  # type: ignore[attr-defined]
     _next_data.__qualname__ = getattr(original, "__qualname__", "_next_data")
@@ -58,10 +66,12 @@ def install() -> None:
         _users += 1
         if _users > 1:
             return
+        reset()
         for cls in _iterator_classes():
             original = vars(cls)["_next_data"]
             _wrapped.append((cls, original))
-            setattr(cls, "_next_data", _timed(original))  # noqa: B010
+            workers = cls.__name__ == "_MultiProcessingDataLoaderIter"
+            setattr(cls, "_next_data", _timed(original, workers))  # noqa: B010
 
 
 def uninstall() -> None:

@@ -12,7 +12,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -104,6 +104,12 @@ def _steps_nest(kind: type) -> bool:
         nests = _NESTING[kind] = sum("step" in vars(klass) for klass in kind.__mro__
                                      if klass is not torch.optim.Optimizer) > 1
     return nests
+
+
+def _with_processes(clock: IterationClock, data: ReportData) -> ReportData:
+    """``data`` with the DataLoader workers followed and the process's own readings."""
+    workers, process = clock.processes()
+    return replace(data, workers=workers, process=process)
 
 
 class Recorder:
@@ -344,7 +350,7 @@ class Recorder:
                  *filter(None, [self._signals.note()]), *coverage_notes(self._coverage,
                  self._registry), *budget_notes(cost), *self._censuses.budget_notes(),
                  *self._forward.compiled_notes())
-        return ReportData(
+        return _with_processes(self._clock, ReportData(
             device=str(backend.device), backend=backend.name, baseline=self._sampler.baseline,
             layers=self._registry.freeze(), iterations=tuple(self._timeline.items),
             peak=max(self._boundaries.overall_peak, self._sampler.peak), allocated=allocated,
@@ -354,4 +360,4 @@ class Recorder:
             allocator_stats=counters[0], nvml=counters[1],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
             oom=self._oom, cost=cost,
-        )
+        ))

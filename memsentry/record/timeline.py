@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from memsentry.model import Boundary, Breakdown, IterationStats
+from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.record.batches import install, uninstall, waited
 from memsentry.record.signals import Signals
+from memsentry.record.workers import recorded, sample
 
 
 def batch_size(args: Any) -> int | None:
@@ -32,18 +34,30 @@ class IterationClock:
         self.batch: int | None = None
         self._fetched = waited()
         self._timing = False
+        self._began = time.perf_counter()
+        self._processes: tuple[tuple[WorkerMemory, ...], tuple[ProcessSample, ...]] = ((), ())
 
     def time_batches(self) -> None:
-        """Time the DataLoader fetches from now on, until :meth:`stop_timing_batches`."""
+        """Time the DataLoader fetches, and follow the loaders' worker processes, from now on
+        until :meth:`stop_timing_batches`."""
         if not self._timing:
             install()
             self._timing = True
             self._fetched = waited()
+            self._began = time.perf_counter()
 
     def stop_timing_batches(self) -> None:
         if self._timing:
+            if self.processes()[0]:
+                sample()  # the workers' and the process's memory as tracking ends
+            self._processes = recorded(self._began)
             uninstall()
             self._timing = False
+
+    def processes(self) -> tuple[tuple[WorkerMemory, ...], tuple[ProcessSample, ...]]:
+        """The DataLoader workers followed and the process's own readings (see
+        :mod:`memsentry.record.workers`), as they stood when tracking stopped."""
+        return recorded(self._began) if self._timing else self._processes
 
     def data_seconds(self, iterations: int = 1) -> float | None:
         """Seconds the running iteration's thread waited for DataLoader batches since it

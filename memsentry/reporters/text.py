@@ -20,6 +20,7 @@ from memsentry.model import (
 )
 from memsentry.reporters.breakdown import layer_share, render_breakdown
 from memsentry.reporters.oom import render_oom
+from memsentry.reporters.processes import render_processes
 from memsentry.reporters.ranks import rank_line, render_ranks
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable_values
@@ -246,6 +247,9 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
     breakdown = render_breakdown(report, width=width)
     if breakdown is not None:
         sections.append(breakdown)
+    processes = render_processes(report)
+    if processes is not None:
+        sections.append(processes)
     if report.notes:
         sections.append("\n".join(
             textwrap.fill(f"note: {note}", width, subsequent_indent="      ")

@@ -1,0 +1,48 @@
+"""A process's memory as Linux counts it: ``/proc/<pid>/smaps_rollup`` (resident, proportional
+and private bytes), else the resident size in ``/proc/<pid>/status``. Reading the rollup makes
+the kernel walk the process's page tables: about 2 ms for a 250 MiB worker on the machine
+this was written on, so callers read it on a schedule, off the training thread."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+_KIB = 1024
+
+
+class ProcessMemory(NamedTuple):
+    """Bytes: resident, proportional share (``None`` when unknown), private pages (``None``
+    when unknown)."""
+
+    rss: int
+    pss: int | None
+    private: int | None
+
+
+def _fields(text: str) -> dict[str, int]:
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            values[name.strip()] = int(parts[0]) * _KIB
+    return values
+
+
+def read_process(pid: int) -> ProcessMemory | None:
+    """The memory of process ``pid`` now, or ``None`` when it is gone or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            values = _fields(rollup.read())
+        if "Rss" in values:
+            private = values.get("Private_Clean", 0) + values.get("Private_Dirty", 0)
+            return ProcessMemory(values["Rss"], values.get("Pss"), private)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            values = _fields(status.read())
+    except (OSError, ValueError):
+        return None
+    rss = values.get("VmRSS")
+    return None if rss is None else ProcessMemory(rss, None, None)

@@ -1,0 +1,34 @@
+"""Processes as the operating system counts their memory: the tracked process itself and the
+DataLoader worker processes started while tracking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One reading of a process's memory, ``seconds`` after tracking began. ``rss`` is its
+    resident memory; ``pss`` its proportional share (each shared page divided among the
+    processes that map it) and ``private`` the pages only it maps, clean or dirty (for a
+    forked worker: what it copied from its parent, or made itself); both ``None`` where the
+    system does not say (no ``/proc/<pid>/smaps_rollup``)."""
+
+    seconds: float
+    rss: int
+    pss: int | None = None
+    private: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """A DataLoader worker process followed while tracking: its ``pid``, its ``worker`` id in
+    its loader, ``loader`` the number of its loader's iterator (1 for the first one memsentry
+    saw fetch a batch), ``dataset`` the dataset's class name, and its ``samples`` in time
+    order (the last one taken when it ended or when tracking stopped)."""
+
+    pid: int
+    worker: int
+    loader: int
+    dataset: str
+    samples: tuple[ProcessSample, ...] = ()

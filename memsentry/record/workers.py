@@ -1,0 +1,118 @@
+"""DataLoader worker processes followed while any tracker runs: each worker of a loader that
+fetches through :mod:`memsentry.record.batches`, and the tracked process itself, read on a
+schedule as the operating system counts them (:func:`memsentry.measure.processes.read_process`).
+
+Readings are taken in the thread that fetches batches, right after a fetch, at most once per
+:data:`MIN_INTERVAL` seconds and never more often than keeps their cost under :data:`SHARE` of
+the time between them: no thread of memsentry's runs while the loader forks its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from memsentry.measure.processes import read_process
+from memsentry.model.processes import ProcessSample, WorkerMemory
+
+#: Seconds between two rounds of readings, at least.
+MIN_INTERVAL = 1.0
+#: The share of the time between rounds a round may cost (a slow read widens the interval).
+SHARE = 0.005
+#: Readings kept per process; past it every other one is dropped (the first and last stay).
+MAX_SAMPLES = 512
+
+
+@dataclass
+class _Process:
+    pid: int
+    worker: int
+    loader: int
+    dataset: str
+    samples: list[tuple[float, int, int | None, int | None]] = field(default_factory=list)
+    ended: bool = False
+
+    def read(self, now: float) -> None:
+        memory = read_process(self.pid)
+        if memory is None:
+            self.ended = True
+            return
+        self.samples.append((now, *memory))
+        if len(self.samples) > MAX_SAMPLES:
+            last = self.samples[-1]
+            self.samples = [*self.samples[:-1:2], last]
+
+
+_lock = threading.Lock()
+_loaders: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_workers: dict[int, _Process] = {}
+_main = _Process(os.getpid(), -1, 0, "")
+_due = 0.0
+_interval = MIN_INTERVAL
+_counted = 0  # loader iterators seen
+
+
+def reset() -> None:
+    """Forget every process (the last tracker stopped)."""
+    global _main, _due, _interval, _counted
+    with _lock:
+        _loaders.clear()
+        _workers.clear()
+        _main = _Process(os.getpid(), -1, 0, "")
+        _due, _interval, _counted = 0.0, MIN_INTERVAL, 0
+
+
+def fetched(iterator: Any) -> None:
+    """A loader's iterator fetched a batch: its workers are followed from now, and a round of
+    readings is taken when one is due."""
+    if iterator not in _loaders:
+        _follow(iterator)
+    if time.perf_counter() >= _due:
+        sample()
+
+
+def _follow(iterator: Any) -> None:
+    global _counted
+    with _lock:
+        _counted += 1
+        number = _loaders[iterator] = _counted
+        dataset = type(getattr(iterator, "_dataset", None)).__name__
+        for index, worker in enumerate(getattr(iterator, "_workers", ()) or ()):
+            pid = getattr(worker, "pid", None)
+            if isinstance(pid, int) and pid not in _workers:
+                _workers[pid] = _Process(pid, index, number, dataset)
+
+
+def sample() -> None:
+    """One round of readings: the tracked process and every worker still running."""
+    global _due, _interval
+    began = time.perf_counter()
+    with _lock:
+        if _main.pid != os.getpid():  # a forked child that tracks on its own
+            return
+        _main.read(began)
+        for process in list(_workers.values()):
+            if not process.ended:
+                process.read(began)
+    spent = time.perf_counter() - began
+    _interval = max(MIN_INTERVAL, spent / SHARE)
+    _due = began + _interval
+
+
+def _samples(process: _Process, since: float) -> tuple[ProcessSample, ...]:
+    return tuple(ProcessSample(at - since, rss, pss, private)
+                 for at, rss, pss, private in process.samples if at >= since)
+
+
+def recorded(since: float) -> tuple[tuple[WorkerMemory, ...], tuple[ProcessSample, ...]]:
+    """The workers followed and the tracked process's readings from ``since`` on
+    (``time.perf_counter()`` when a tracker started), times counted from then."""
+    with _lock:
+        workers = tuple(
+            WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since))
+            for p in _workers.values() if any(at >= since for at, *_ in p.samples))
+        return workers, _samples(_main, since)

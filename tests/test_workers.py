@@ -1,0 +1,95 @@
+"""DataLoader worker processes are followed while tracking: each worker's memory as the system
+counts it, on the report beside the process's own, without changing what the loader yields."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import memsentry
+import memsentry.record.workers as workers_module
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc/<pid>/smaps_rollup")
+
+
+class Records(Dataset[tuple[torch.Tensor, int]]):
+    """Samples kept as a list of dicts: every read writes the objects' reference counts."""
+
+    def __init__(self, size: int) -> None:
+        self.records = [{"features": [float(i)] * 8, "label": i % 4} for i in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        record = self.records[index]
+        return torch.tensor(record["features"]), record["label"]
+
+
+@pytest.fixture
+def every_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reading at every fetch (the schedule's interval is tested by its own figures)."""
+    monkeypatch.setattr(workers_module, "MIN_INTERVAL", 0.0)
+    monkeypatch.setattr(workers_module, "SHARE", 1e9)
+
+
+def _train(loader: DataLoader[tuple[torch.Tensor, int]], epochs: int) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_each_worker_is_followed_beside_the_process(every_fetch: None) -> None:
+    dataset = Records(60_000)
+
+    def loader() -> DataLoader[tuple[torch.Tensor, int]]:
+        return DataLoader(dataset, batch_size=1024, num_workers=2,
+                          generator=torch.Generator().manual_seed(3), shuffle=True)
+
+    plain = _train(loader(), epochs=1)
+    with memsentry.track(on_leak="ignore") as t:
+        tracked = _train(loader(), epochs=1)
+    assert tracked == plain  # the same batches, in the same order, the same results
+    report = t.report()
+    assert sorted(w.worker for w in report.workers) == [0, 1]
+    assert {w.dataset for w in report.workers} == {"Records"}
+    for worker in report.workers:
+        assert len(worker.samples) >= 3
+        assert all(s.private is not None and s.rss > 0 for s in worker.samples)
+        # Reading the records copied the pages their objects live on into the worker.
+        first, last = worker.samples[0], worker.samples[-1]
+        assert last.private is not None and first.private is not None
+        assert last.private - first.private > 2 * 1024 * 1024
+        assert [s.seconds for s in worker.samples] == sorted(s.seconds for s in worker.samples)
+    assert report.process and all(s.rss > 0 for s in report.process)
+    again = memsentry.Report.from_dict(report.to_dict())
+    assert again.workers == report.workers and again.process == report.process
+
+
+def test_a_new_iterator_each_epoch_is_a_new_loader_with_new_workers(every_fetch: None) -> None:
+    loader = DataLoader(Records(8_000), batch_size=1024, num_workers=2)
+    with memsentry.track(on_leak="ignore") as t:
+        _train(loader, epochs=2)
+    report = t.report()
+    assert sorted((w.loader, w.worker) for w in report.workers) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len({w.pid for w in report.workers}) == 4
+
+
+def test_a_loader_without_workers_has_none_to_follow(every_fetch: None) -> None:
+    with memsentry.track(on_leak="ignore") as t:
+        _train(DataLoader(Records(4_000), batch_size=1024), epochs=1)
+    assert t.report().workers == ()
