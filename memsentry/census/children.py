@@ -105,13 +105,30 @@ def only_atoms(obj: Any) -> bool:
             return True
         if isinstance(obj, dict) or not kinds <= _RECORDS | _ATOM_TYPES:
             return False
-        return _plain_values(_fields_of(item for item in obj if type(item) in _RECORDS))
+        return _plain_values(_fields_of(iter(_sample(obj))))
     except Exception:  # changed size while read: walk it item by item
         return False
 
 
 #: The records whose fields :func:`only_atoms` checks in bulk (a dict: its keys and values).
 _RECORDS = frozenset((tuple, list, dict))
+
+
+#: Records whose fields are checked when a container holds more: the first and the last
+#: (what a loop appends comes last) and some spread between.
+SAMPLED = 256
+
+
+def _sample(obj: Any) -> list[Any]:
+    """The records of ``obj`` whose fields are checked: all of a short container, else
+    :data:`SAMPLED` of them (a container of records holds one kind: a dataset's samples, a
+    buffer's transitions; a leak adds its kind at the end)."""
+    items = obj if isinstance(obj, list | tuple) else list(obj)
+    if len(items) > SAMPLED:
+        quarter = SAMPLED // 4
+        stride = max(1, len(items) // (SAMPLED // 2))
+        items = [*items[:quarter], *items[quarter:-quarter:stride], *items[-quarter:]]
+    return [item for item in items if type(item) in _RECORDS]
 
 
 def _fields_of(records: Iterator[Any], depth: int = 2) -> list[Any]:
