@@ -58,8 +58,9 @@ def bounded_cache(steps: int) -> memsentry.Report:
 
 
 # -- one tensor that grows -------------------------------------------------------------------
-def memory_bank_grows(steps: int) -> memsentry.Report:
-    """A contrastive loop whose negatives bank gains the batch's embeddings every step."""
+def _contrastive(steps: int, window: int | None) -> memsentry.Report:
+    """A contrastive loop whose negatives bank gains the batch's embeddings every step; with
+    ``window``, it keeps the newest ``window`` rows (MoCo's queue)."""
     model, opt = _setup()
     negatives = torch.empty(0, 10)
     with memsentry.track(model, on_leak="ignore") as t:
@@ -70,22 +71,17 @@ def memory_bank_grows(steps: int) -> memsentry.Report:
             opt.step()
             opt.zero_grad()
             negatives = torch.cat((negatives, emb.detach()), dim=0)
+            if window is not None:
+                negatives = negatives[-window:].clone()
     return t.report()
+
+
+def memory_bank_grows(steps: int) -> memsentry.Report:
+    return _contrastive(steps, window=None)
 
 
 def memory_bank_as_a_queue(steps: int) -> memsentry.Report:
-    """The MoCo form of the same bank: it keeps the newest 1,024 rows."""
-    model, opt = _setup()
-    negatives = torch.empty(0, 10)
-    with memsentry.track(model, on_leak="ignore") as t:
-        for _ in range(steps):
-            x, y = _batch(256)
-            emb = model(x)
-            nn.functional.cross_entropy(emb, y).backward()
-            opt.step()
-            opt.zero_grad()
-            negatives = torch.cat((negatives, emb.detach()), dim=0)[-1024:].clone()
-    return t.report()
+    return _contrastive(steps, window=1024)
 
 
 # -- autograd contexts kept by the user ------------------------------------------------------
