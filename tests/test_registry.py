@@ -31,6 +31,7 @@ def test_rule_ids_are_stable_and_in_their_running_order() -> None:
         "retained-graph", "tensor-accumulation", "hook-accumulation", "reference-cycle",
         "memory-growth", "missing-no-grad", "exception-frames", "allocator-fragmentation",
         "non-pytorch-memory", "input-bound", "loop-variables", "memory-headroom",
+        "worker-memory",
     ]
 
 

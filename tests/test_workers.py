@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -93,3 +94,77 @@ def test_a_loader_without_workers_has_none_to_follow(every_fetch: None) -> None:
     with memsentry.track(on_leak="ignore") as t:
         _train(DataLoader(Records(4_000), batch_size=1024), epochs=1)
     assert t.report().workers == ()
+
+
+class Columns(Dataset[tuple[torch.Tensor, int]]):
+    """The same samples kept as two NumPy arrays: reading them writes no reference count."""
+
+    def __init__(self, size: int) -> None:
+        self.features = np.repeat(np.arange(size, dtype=np.float32)[:, None], 8, axis=1)
+        self.labels = np.arange(size) % 4
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.from_numpy(self.features[index]), int(self.labels[index])
+
+
+class Caching(Columns):
+    """Keeps every sample it made, in each worker's own copy of the dataset."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.made: list[torch.Tensor] = []
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        self.made.append(torch.randn(2048))  # 8 KiB per sample, never dropped
+        return super().__getitem__(index)
+
+
+def _findings(dataset: Dataset[tuple[torch.Tensor, int]], epochs: int = 1, *,
+              persistent: bool = False) -> list[memsentry.Finding]:
+    loader = DataLoader(dataset, batch_size=1024, num_workers=2, shuffle=True,
+                        persistent_workers=persistent)
+    with memsentry.track(on_leak="ignore") as t:
+        _train(loader, epochs)
+    return [f for f in t.report().findings if f.rule == "worker-memory"]
+
+
+def test_copy_on_read_of_a_list_of_dicts_is_named_with_its_attribute(every_fetch: None) -> None:
+    train_set = Records(300_000)
+    loader = DataLoader(train_set, batch_size=1024, num_workers=2, shuffle=True)
+    with memsentry.track(on_leak="ignore") as t:
+        _train(loader, epochs=1)
+    (finding,) = [f for f in t.report().findings if f.rule == "worker-memory"]
+    assert finding.severity is memsentry.Severity.WASTE
+    assert "the 2 workers of DataLoader 1 (`Records`)" in finding.message
+    assert "`train_set.records` is a list of dict (300,000 items" in finding.message
+    assert "copy-on-read" in finding.message
+    assert "NumPy arrays" in finding.fix and "`train_set.records`" in finding.fix
+    assert finding.bytes is not None and finding.bytes >= 32 * 1024 * 1024
+
+
+def test_the_same_samples_in_numpy_arrays_get_no_finding(every_fetch: None) -> None:
+    assert _findings(Columns(300_000)) == []
+
+
+class NamedCaching(Caching):
+    """The caching dataset with a list of Python strings too: some copy-on-read, far less
+    than what its workers keep."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.names = [f"sample_{i:06d}" for i in range(size)]
+
+
+@pytest.mark.parametrize(("dataset", "why"), [
+    (Caching, "still growing through the later half of the run"),
+    (NamedCaching, "more than a copy of the dataset's Python objects would take"),
+])
+def test_a_worker_that_keeps_what_it_makes_is_told_apart(
+        every_fetch: None, dataset: type[Caching], why: str) -> None:
+    (finding,) = _findings(dataset(8_000), epochs=4, persistent=True)
+    assert finding.severity is memsentry.Severity.LEAK
+    assert why in finding.message
+    assert "`__getitem__`" in finding.fix

@@ -21,14 +21,29 @@ class ProcessSample:
 
 
 @dataclass(frozen=True)
+class DatasetObjects:
+    """The largest container of Python objects a loader's dataset keeps: ``name`` spells it as
+    the code does (``train_set.records``), ``kind`` is its type and what it holds (``list of
+    dict``), ``items`` its length and ``bytes`` the Python objects' size, estimated from a
+    sample of its items (what a worker copies by reading them all)."""
+
+    name: str
+    kind: str
+    items: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class WorkerMemory:
     """A DataLoader worker process followed while tracking: its ``pid``, its ``worker`` id in
     its loader, ``loader`` the number of its loader's iterator (1 for the first one memsentry
     saw fetch a batch), ``dataset`` the dataset's class name, and its ``samples`` in time
-    order (the last one taken when it ended or when tracking stopped)."""
+    order (the last one taken when it ended or when tracking stopped); ``objects`` the
+    dataset's largest container of Python objects, when it has one."""
 
     pid: int
     worker: int
     loader: int
     dataset: str
     samples: tuple[ProcessSample, ...] = ()
+    objects: DatasetObjects | None = None

@@ -10,14 +10,16 @@ the time between them: no thread of memsentry's runs while the loader forks its 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsentry.census.datasets import dataset_objects
 from memsentry.measure.processes import read_process
-from memsentry.model.processes import ProcessSample, WorkerMemory
+from memsentry.model.processes import DatasetObjects, ProcessSample, WorkerMemory
 
 #: Seconds between two rounds of readings, at least.
 MIN_INTERVAL = 1.0
@@ -33,6 +35,7 @@ class _Process:
     worker: int
     loader: int
     dataset: str
+    objects: DatasetObjects | None = None
     samples: list[tuple[float, int, int | None, int | None]] = field(default_factory=list)
     ended: bool = False
 
@@ -50,7 +53,7 @@ class _Process:
 _lock = threading.Lock()
 _loaders: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _workers: dict[int, _Process] = {}
-_main = _Process(os.getpid(), -1, 0, "")
+_main = _Process(os.getpid(), -1, 0, "", None)
 _due = 0.0
 _interval = MIN_INTERVAL
 _counted = 0  # loader iterators seen
@@ -62,7 +65,7 @@ def reset() -> None:
     with _lock:
         _loaders.clear()
         _workers.clear()
-        _main = _Process(os.getpid(), -1, 0, "")
+        _main = _Process(os.getpid(), -1, 0, "", None)
         _due, _interval, _counted = 0.0, MIN_INTERVAL, 0
 
 
@@ -77,14 +80,18 @@ def fetched(iterator: Any) -> None:
 
 def _follow(iterator: Any) -> None:
     global _counted
+    dataset = getattr(iterator, "_dataset", None)
+    try:
+        objects = dataset_objects(dataset, sys._getframe(2))
+    except Exception:  # a dataset whose attributes cannot be read: named by its class only
+        objects = None
     with _lock:
         _counted += 1
         number = _loaders[iterator] = _counted
-        dataset = type(getattr(iterator, "_dataset", None)).__name__
         for index, worker in enumerate(getattr(iterator, "_workers", ()) or ()):
             pid = getattr(worker, "pid", None)
             if isinstance(pid, int) and pid not in _workers:
-                _workers[pid] = _Process(pid, index, number, dataset)
+                _workers[pid] = _Process(pid, index, number, type(dataset).__name__, objects)
 
 
 def sample() -> None:
@@ -113,6 +120,6 @@ def recorded(since: float) -> tuple[tuple[WorkerMemory, ...], tuple[ProcessSampl
     (``time.perf_counter()`` when a tracker started), times counted from then."""
     with _lock:
         workers = tuple(
-            WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since))
+            WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since), p.objects)
             for p in _workers.values() if any(at >= since for at, *_ in p.samples))
         return workers, _samples(_main, since)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 # isort: off
 from memsentry.rules import retained, holders, hooks, cycles  # noqa: F401
 from memsentry.rules import growth, nograd, exceptions  # noqa: F401
-from memsentry.rules import device, timing, loopvars, headroom  # noqa: F401
+from memsentry.rules import device, timing, loopvars, headroom, workers  # noqa: F401
 # isort: on
 from memsentry.model import Finding, ReportData, Severity
 from memsentry.rules.registry import RULES, Rule
