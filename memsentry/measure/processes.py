@@ -5,9 +5,14 @@ this was written on, so callers read it on a schedule, off the training thread."
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 _KIB = 1024
+try:
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):  # not a POSIX system: no /proc to read either
+    _PAGE = 4096
 
 
 class ProcessMemory(NamedTuple):
@@ -27,6 +32,17 @@ def _fields(text: str) -> dict[str, int]:
         if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
             values[name.strip()] = int(parts[0]) * _KIB
     return values
+
+
+def read_resident(pid: int) -> ProcessMemory | None:
+    """Only the resident size of process ``pid``, from ``/proc/<pid>/statm`` (a few
+    microseconds: no walk of the page tables), or ``None``."""
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
+            pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return ProcessMemory(pages * _PAGE, None, None)
 
 
 def read_process(pid: int) -> ProcessMemory | None:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memsentry.census.datasets import dataset_objects
-from memsentry.measure.processes import read_process
+from memsentry.measure.processes import read_process, read_resident
 from memsentry.model.processes import DatasetObjects, ProcessSample, WorkerMemory
 
 #: Seconds between two rounds of readings, at least.
 MIN_INTERVAL = 1.0
 #: The share of the time between rounds a round may cost (a slow read widens the interval).
-SHARE = 0.005
+SHARE = 0.02
 #: Readings kept per process; past it every other one is dropped (the first and last stay).
 MAX_SAMPLES = 512
 
@@ -39,8 +39,8 @@ class _Process:
     samples: list[tuple[float, int, int | None, int | None]] = field(default_factory=list)
     ended: bool = False
 
-    def read(self, now: float) -> None:
-        memory = read_process(self.pid)
+    def read(self, now: float, *, resident_only: bool = False) -> None:
+        memory = read_resident(self.pid) if resident_only else read_process(self.pid)
         if memory is None:
             self.ended = True
             return
@@ -71,11 +71,19 @@ def reset() -> None:
 
 def fetched(iterator: Any) -> None:
     """A loader's iterator fetched a batch: its workers are followed from now, and a round of
-    readings is taken when one is due."""
+    readings is taken when one is due, and at the epoch's last batch (workers that do not
+    persist are shut down before the loop sees the epoch end)."""
     if iterator not in _loaders:
         _follow(iterator)
-    if time.perf_counter() >= _due:
+    if time.perf_counter() >= _due or _last_batch(iterator):
         sample()
+
+
+def _last_batch(iterator: Any) -> bool:
+    try:
+        return int(iterator._num_yielded) >= len(iterator) - 1
+    except (TypeError, AttributeError, ValueError):  # an iterable dataset has no length
+        return False
 
 
 def _follow(iterator: Any) -> None:
@@ -101,7 +109,7 @@ def sample() -> None:
     with _lock:
         if _main.pid != os.getpid():  # a forked child that tracks on its own
             return
-        _main.read(began)
+        _main.read(began, resident_only=True)  # the largest process: its rollup is slow
         for process in list(_workers.values()):
             if not process.ended:
                 process.read(began)
