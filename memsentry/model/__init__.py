@@ -46,7 +46,7 @@ from memsentry.model.kinds import (
     SubjectKind,
 )
 from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
-from memsentry.model.processes import ProcessSample, WorkerMemory
+from memsentry.model.processes import DatasetObjects, ProcessSample, WorkerMemory
 from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
@@ -61,6 +61,7 @@ __all__ = [
     "Census",
     "Change",
     "Cost",
+    "DatasetObjects",
     "Finding",
     "FindingPair",
     "FixKind",
