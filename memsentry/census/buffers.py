@@ -16,6 +16,7 @@ from typing import Any
 #: buffer, whose address is not read, ("bytearray"/"bytes", id of the object).
 Key = tuple[str, int]
 
+
 def _capsule_type() -> type:
     """``PyCapsule``'s type, from a capsule the interpreter already has."""
     import datetime  # datetime.datetime_CAPI is a capsule in every CPython
@@ -69,10 +70,11 @@ def dlpack_memory(capsule: Any) -> tuple[Key, int] | None:
     """(key, bytes) of the memory a DLPack capsule keeps, or ``None`` for another capsule, one
     already consumed (renamed ``used_dltensor``) or one that cannot be read."""
     try:
-        layout = _LAYOUTS.get(_get_name(capsule) or b"")
+        name = _get_name(capsule)
+        layout = _LAYOUTS.get(name or b"")
         if layout is None:
             return None
-        address = _get_pointer(capsule, _get_name(capsule))
+        address = _get_pointer(capsule, name)
         if not address:
             return None
         tensor = layout.from_address(address).dl_tensor

@@ -10,7 +10,7 @@ import types
 from typing import Any
 
 from memsentry.model.processes import DatasetObjects
-from memsentry.usercode.frames import frame_locals, release_locals, user_frames
+from memsentry.usercode.frames import spelled_name
 
 #: A container shorter than this is no dataset's storage.
 MIN_ITEMS = 1000
@@ -45,23 +45,6 @@ def _estimate(container: Any) -> tuple[str, int]:
     return kind, int(sys.getsizeof(container) + each * count)
 
 
-def _spelled(dataset: Any, frame: types.FrameType | None) -> str:
-    """The name the user's code gives ``dataset`` (a local or global of a frame on the
-    stack), else its class's."""
-    frames = user_frames(frame)
-    try:
-        for user_frame in frames:
-            for namespace in (frame_locals(user_frame), user_frame.f_globals):
-                for name, value in list(namespace.items()):
-                    if value is dataset and name.isidentifier():
-                        return name
-    finally:
-        for user_frame in frames:
-            release_locals(user_frame)
-        del frames
-    return type(dataset).__name__
-
-
 def dataset_objects(dataset: Any, frame: types.FrameType | None) -> DatasetObjects | None:
     """The largest container of Python objects among ``dataset``'s attributes (``None``
     when it keeps none of :data:`MIN_ITEMS` items or more)."""
@@ -74,4 +57,5 @@ def dataset_objects(dataset: Any, frame: types.FrameType | None) -> DatasetObjec
         return None
     items, attribute, container = max(found, key=lambda entry: entry[0])
     kind, size = _estimate(container)
-    return DatasetObjects(f"{_spelled(dataset, frame)}.{attribute}", kind, items, size)
+    name = spelled_name(dataset, frame, frames=None) or type(dataset).__name__
+    return DatasetObjects(f"{name}.{attribute}", kind, items, size)

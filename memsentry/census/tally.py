@@ -142,18 +142,16 @@ class Tally:
         """A ``bytearray``, a ``memoryview`` or an unconsumed DLPack capsule: the memory it
         holds, counted once (a view of a NumPy array is counted as that array)."""
         if isinstance(obj, CAPSULE):
-            found = dlpack_memory(obj)
-            if found is None or self.targets is not None:
-                return
-            key, size = found
+            found = dlpack_memory(obj) if self.targets is None else None
         else:
-            viewed, maybe, size = buffer_memory(obj)
+            viewed, key, size = buffer_memory(obj)
             if viewed is not None:
                 self.array(item, viewed)
                 return
-            if maybe is None or self.targets is not None:
-                return
-            key = maybe
+            found = (key, size) if key is not None and self.targets is None else None
+        if found is None:
+            return
+        key, size = found
         holder = self.holder(item)
         holder.buffers += 1
         holder.bytes += self.ledger.count(key, size, holder)

@@ -243,10 +243,10 @@ class Walk:
                 continue
             if (item.frozen or positional) and self.tally.targets is None:
                 self.queue.append(Item(child, item.path, item.kind, item.scope, item.hint,
-                                        depth, True))
+                                       depth, True))
                 continue
             hint = item.hint
             if kind == StepKind.ATTRIBUTE:
                 hint = SourceHint(raw, (source, *files) if source else files)
             self.queue.append(Item(child, (*item.path, make_step(kind, raw)), item.kind,
-                                    item.scope, hint, depth, False))
+                                   item.scope, hint, depth, False))

@@ -31,14 +31,14 @@ class HolderStats:
     tensor's storage), ``nodes`` the autograd nodes it keeps by themselves (a ``grad_fn``, a
     custom Function's ``ctx``: their graphs are in the ``graph_*`` figures), ``buffers`` the
     ``bytearray``, ``memoryview`` and unconsumed DLPack capsules (their memory is in
-    ``bytes``). ``container`` is
-    the holder's type when it is a container (``list``, ``dict``, ``deque``) or a function's
-    cache (``lru_cache``: ``functools.lru_cache`` or ``functools.cache``), else ``None``.
-    ``added`` is the expression the line at ``where`` adds to the holder, as written
-    (``errD`` in ``epoch_errD += errD``); ``rewrite``, when the line folds a tensor into the
-    holder some other way (``ema = 0.9 * ema + 0.1 * loss``), that line adding a number
-    instead; ``feed``, for an attribute filled inside a method of
-    the user's class, the call that hands it the value (``losses.update(loss, n)``).
+    ``bytes``). ``container`` is the holder's type when it is a container (``list``,
+    ``dict``, ``deque``) or a function's cache (``lru_cache``: ``functools.lru_cache`` or
+    ``functools.cache``), else ``None``. ``added`` is the expression the line at ``where``
+    adds to the holder, as written (``errD`` in ``epoch_errD += errD``); ``rewrite``, when
+    the line folds a tensor into the holder some other way (``ema = 0.9 * ema + 0.1 *
+    loss``), that line adding a number instead; ``feed``, for an attribute filled inside a
+    method of the user's class, the call that hands it the value (``losses.update(loss,
+    n)``).
     """
 
     path: tuple[Step, ...]

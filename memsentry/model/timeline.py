@@ -56,8 +56,8 @@ class IterationStats:
     iteration's thread spent fetching batches from a ``DataLoader`` (collating them, or
     waiting for its workers), ``None`` when it fetched none; ``batch`` is the first
     dimension of the first tensor given to the outermost module (``None`` when no tensor was
-    given). ``parts`` is what memory held at the
-    iteration's peak, by category (``None`` in reports written before breakdowns existed).
+    given). ``parts`` is what memory held at the iteration's peak, by category (``None`` in
+    reports written before breakdowns existed).
     ``sampled`` is false for an iteration memsentry measured only at its closing boundary,
     to keep its cost budget: its ``peak`` is then that boundary's reading, a lower bound, and
     it has no ``parts``, ``reserved`` or ``batch``.

@@ -42,9 +42,10 @@ def _timed(original: Callable[..., Any], workers: bool) -> Callable[..., Any]:
             data = original(self)
         finally:
             spent = time.perf_counter() - began
-            entry = _waits.get(threading.get_ident())
+            ident = threading.get_ident()
+            entry = _waits.get(ident)
             if entry is None:
-                entry = _waits.setdefault(threading.get_ident(), [0, 0.0])
+                entry = _waits.setdefault(ident, [0, 0.0])
             entry[0] += 1
             entry[1] += spent
         if workers:

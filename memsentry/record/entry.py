@@ -65,27 +65,4 @@ def entered_through(module: nn.Module, frame: types.FrameType | None
     return owner, first
 
 
-def spelled_name(module: nn.Module, frame: types.FrameType | None) -> str | None:
-    """The name the innermost user frame on the stack calls ``module`` by: a local or global
-    bound to it (``netG``), or an attribute of that frame's ``self`` (``self.critic``:
-    ``critic``); ``None`` when none is."""
-    while frame is not None and is_machinery_frame(frame):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    try:
-        names = dict(frame.f_locals)
-    finally:
-        release_locals(frame)
-    for scope in (names, frame.f_globals):
-        for name, value in list(scope.items()):
-            if value is module and name.isidentifier() and name != "self":
-                return name
-    this = names.get("self")
-    for name, value in list(getattr(this, "__dict__", {}).items()):
-        if value is module and name.isidentifier():
-            return name
-    return None
-
-
-__all__ = ["entered_through", "spelled_name"]
+__all__ = ["entered_through"]

@@ -23,7 +23,7 @@ from memsentry.model import Location
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.calls import ForwardCall, in_backward, stale_calls
 from memsentry.record.coverage import Coverage
-from memsentry.record.entry import entered_through, spelled_name
+from memsentry.record.entry import entered_through
 from memsentry.record.failure import FailureWatch
 from memsentry.record.hooks import ModuleHooks
 from memsentry.record.layers import (
@@ -37,6 +37,7 @@ from memsentry.record.sampler import Sampler
 from memsentry.record.saved import SavedTensors
 from memsentry.record.threads import Owner
 from memsentry.record.timeline import IterationClock
+from memsentry.usercode.frames import spelled_name
 
 #: Checked (torch 2.13, gloo, 2 ranks): ``unshard()`` then ``reshard()`` of a unit whose
 #: unsharded parameters take 257 KiB moved glibc's count by 257 KiB, the mode's by nothing;

@@ -12,7 +12,7 @@ from memsentry.model import Boundary, Breakdown, IterationStats
 from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.record.batches import install, uninstall, waited
 from memsentry.record.signals import Signals
-from memsentry.record.workers import recorded, sample
+from memsentry.record.workers import following, recorded, sample
 
 
 def batch_size(args: Any) -> int | None:
@@ -48,7 +48,7 @@ class IterationClock:
 
     def stop_timing_batches(self) -> None:
         if self._timing:
-            if self.processes()[0]:
+            if following():
                 sample()  # the workers' and the process's memory as tracking ends
             self._processes = recorded(self._began)
             uninstall()

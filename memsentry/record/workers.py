@@ -53,20 +53,19 @@ class _Process:
 _lock = threading.Lock()
 _loaders: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _workers: dict[int, _Process] = {}
-_main = _Process(os.getpid(), -1, 0, "", None)
-_due = 0.0
-_interval = MIN_INTERVAL
+_main = _Process(os.getpid(), -1, 0, "")
+_due = 0.0  # when the next round of readings is due (time.perf_counter())
 _counted = 0  # loader iterators seen
 
 
 def reset() -> None:
-    """Forget every process (the last tracker stopped)."""
-    global _main, _due, _interval, _counted
+    """Forget every process followed before (the first tracker starts)."""
+    global _main, _due, _counted
     with _lock:
         _loaders.clear()
         _workers.clear()
-        _main = _Process(os.getpid(), -1, 0, "", None)
-        _due, _interval, _counted = 0.0, MIN_INTERVAL, 0
+        _main = _Process(os.getpid(), -1, 0, "")
+        _due, _counted = 0.0, 0
 
 
 def fetched(iterator: Any) -> None:
@@ -104,7 +103,7 @@ def _follow(iterator: Any) -> None:
 
 def sample() -> None:
     """One round of readings: the tracked process and every worker still running."""
-    global _due, _interval
+    global _due
     began = time.perf_counter()
     with _lock:
         if _main.pid != os.getpid():  # a forked child that tracks on its own
@@ -114,8 +113,12 @@ def sample() -> None:
             if not process.ended:
                 process.read(began)
     spent = time.perf_counter() - began
-    _interval = max(MIN_INTERVAL, spent / SHARE)
-    _due = began + _interval
+    _due = began + max(MIN_INTERVAL, spent / SHARE)
+
+
+def following() -> bool:
+    """Whether any DataLoader worker is followed."""
+    return bool(_workers)
 
 
 def _samples(process: _Process, since: float) -> tuple[ProcessSample, ...]:

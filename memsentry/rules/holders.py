@@ -63,22 +63,18 @@ def _parent(path: tuple[Step, ...]) -> tuple[Step, ...]:
     return path[:-1] if len(path) > 1 and path[-1].kind == StepKind.KEY else path
 
 
+#: The counts of :class:`HolderStats` that add up when keys of one dict are merged.
+_SUMMED = ("tensors", "bytes", "graph_tensors", "graph_nodes", "graph_saved_bytes", "modules",
+           "arrays", "nodes", "buffers", "shared_bytes")
+
+
 def _merge(path: tuple[Step, ...], entries: list[HolderStats | None]) -> HolderStats | None:
     """One holder standing for the keys of a dict that all grow."""
     present = [e for e in entries if e is not None]
     if not present:
         return None
-    first = present[0]
-    return replace(
-        first, path=path, items=None,
-        tensors=sum(e.tensors for e in present), bytes=sum(e.bytes for e in present),
-        graph_tensors=sum(e.graph_tensors for e in present),
-        graph_nodes=sum(e.graph_nodes for e in present),
-        graph_saved_bytes=sum(e.graph_saved_bytes for e in present),
-        modules=sum(e.modules for e in present), arrays=sum(e.arrays for e in present),
-        nodes=sum(e.nodes for e in present), buffers=sum(e.buffers for e in present),
-        shared_bytes=sum(e.shared_bytes for e in present),
-    )
+    totals = {name: sum(getattr(e, name) for e in present) for name in _SUMMED}
+    return replace(present[0], path=path, items=None, **totals)
 
 
 @rule(ACCUMULATION, severities={Severity.LEAK}, causes={Severity.LEAK})
@@ -140,7 +136,8 @@ def _keyed(censuses: list[Census], table: dict[tuple[Step, ...], Row],
     gained = [p for p in paths if _gained(table[p])] or paths
     if len(gained) == 1:
         return [_accumulation(censuses, table[gained[0]], "")]
-    row = [_merge(parent, [table[p][i] for p in gained]) for i in range(len(censuses))]
+    row = merged if len(gained) == len(paths) else \
+        [_merge(parent, [table[p][i] for p in gained]) for i in range(len(censuses))]
     return [_accumulation(censuses, row, _key_list(gained))]
 
 

@@ -63,8 +63,8 @@ def worker_memory(report: ReportData) -> list[Finding]:
     workers (LEAK)."""
     findings = []
     for number, workers in sorted(_loaders(report).items()):
-        growths = [g for g in (_growth(w) for w in workers) if g is not None]
-        if not growths or min(growths) <= 0 or sum(growths) < MIN_TOTAL:
+        growths = [_growth(w) or 0 for w in workers]  # none is None: see _loaders
+        if min(growths) <= 0 or sum(growths) < MIN_TOTAL:
             continue
         objects = next((w.objects for w in workers if w.objects is not None), None)
         each = max(growths)

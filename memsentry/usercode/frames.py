@@ -127,6 +127,30 @@ def running_frames(frame: types.FrameType | None) -> set[int]:
     return running
 
 
+def spelled_name(obj: Any, frame: types.FrameType | None, *, frames: int | None = 1
+                 ) -> str | None:
+    """The name the user's code calls ``obj`` by, from the innermost of the user's frames on
+    the stack outwards (``frames`` of them; ``None``: all): a local or global bound to it
+    (``netG``, ``train_set``), or an attribute of that frame's ``self`` (``self.critic``:
+    ``critic``); ``None`` when none is."""
+    found = user_frames(frame)
+    try:
+        for user_frame in found[:frames]:
+            names = frame_locals(user_frame)
+            for scope in (names, user_frame.f_globals):
+                for name, value in list(scope.items()):
+                    if value is obj and name.isidentifier() and name != "self":
+                        return name
+            for name, value in list(getattr(names.get("self"), "__dict__", {}).items()):
+                if value is obj and name.isidentifier():
+                    return name
+    finally:
+        for user_frame in found:
+            release_locals(user_frame)
+        del found
+    return None
+
+
 def frame_locals(frame: types.FrameType) -> dict[str, Any]:
     """A copy of a frame's locals (call :func:`release_locals` when done with the frame)."""
     return dict(frame.f_locals)
