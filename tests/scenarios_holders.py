@@ -58,6 +58,16 @@ def bounded_cache(steps: int) -> memsentry.Report:
 
 
 # -- one tensor that grows -------------------------------------------------------------------
+def _logits_step(model: nn.Module, opt: torch.optim.Optimizer, size: int) -> torch.Tensor:
+    """One ordinary training step on a batch of ``size``; returns its logits."""
+    x, y = _batch(size)
+    logits = model(x)
+    nn.functional.cross_entropy(logits, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return logits
+
+
 def _contrastive(steps: int, window: int | None) -> memsentry.Report:
     """A contrastive loop whose negatives bank gains the batch's embeddings every step; with
     ``window``, it keeps the newest ``window`` rows (MoCo's queue)."""
@@ -65,11 +75,7 @@ def _contrastive(steps: int, window: int | None) -> memsentry.Report:
     negatives = torch.empty(0, 10)
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch(256)
-            emb = model(x)
-            nn.functional.cross_entropy(emb, y).backward()
-            opt.step()
-            opt.zero_grad()
+            emb = _logits_step(model, opt, 256)
             negatives = torch.cat((negatives, emb.detach()), dim=0)
             if window is not None:
                 negatives = negatives[-window:].clone()
@@ -123,11 +129,7 @@ def arrays_per_class(steps: int) -> memsentry.Report:
     by_label: dict[str, list[np.ndarray]] = {"pos": [], "neg": []}
     with memsentry.track(model, on_leak="ignore") as t:
         for step in range(steps):
-            x, y = _batch(512)
-            logits = model(x)
-            nn.functional.cross_entropy(logits, y).backward()
-            opt.step()
-            opt.zero_grad()
+            logits = _logits_step(model, opt, 512)
             by_label["pos" if step % 2 else "neg"].append(logits.detach().numpy())
     return t.report()
 
@@ -137,11 +139,7 @@ def capsules_for_an_exporter(steps: int) -> memsentry.Report:
     outbox = []
     with memsentry.track(model, on_leak="ignore") as t:
         for _ in range(steps):
-            x, y = _batch(512)
-            logits = model(x)
-            nn.functional.cross_entropy(logits, y).backward()
-            opt.step()
-            opt.zero_grad()
+            logits = _logits_step(model, opt, 512)
             outbox.append(logits.detach().__dlpack__())  # never handed over
     return t.report()
 

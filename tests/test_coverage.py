@@ -130,7 +130,9 @@ def test_a_cheap_loop_is_measured_in_full(monkeypatch: pytest.MonkeyPatch,
         train(model, 8)
     report = t.report()
     assert over
-    if not any(over):  # the usual case
+    # Narrowing after an iteration applies to the next: over the limit in the last iteration
+    # alone leaves every call measured.
+    if not any(over[:-1]):  # the usual case
         assert not any("in turn" in n for n in report.notes)
         assert {layer.calls for layer in report.layers} == {8}
     else:  # the machine was too busy: measuring in turn was then the rule's answer
