@@ -165,9 +165,44 @@ class FakeCachingAllocator:
                 "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved}}}
 
 
+class FakePinnedAllocator:
+    """CUDA's pinned host allocator in miniature: a request rounds up to a power of two and
+    takes a cached block of that size or makes one; a freed block stays cached; the stats are
+    ``torch.cuda.host_memory_stats()``'s flat keys."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}  # size: blocks made
+        self.free_blocks: dict[int, int] = {}
+        self.active = self.peak = 0
+
+    def pin(self, size: int) -> int:
+        size = 1 << (size - 1).bit_length()
+        if self.free_blocks.get(size, 0):
+            self.free_blocks[size] -= 1
+        else:
+            self.blocks[size] = self.blocks.get(size, 0) + 1
+        self.active += size
+        self.peak = max(self.peak, self.held)
+        return size
+
+    def unpin(self, size: int) -> None:
+        self.active -= size
+        self.free_blocks[size] = self.free_blocks.get(size, 0) + 1
+
+    @property
+    def held(self) -> int:
+        return sum(size * count for size, count in self.blocks.items())
+
+    def stats(self) -> dict[str, int]:
+        return {"allocated_bytes.current": self.held, "allocated_bytes.peak": self.peak,
+                "active_bytes.current": self.active,
+                "allocations.current": sum(self.blocks.values())}
+
+
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
     fake = FakeCachingAllocator()
+    fake.pinned = FakePinnedAllocator()  # type: ignore[attr-defined]
 
     def reset(index: int | None = None) -> None:
         fake.peak = fake.allocated
@@ -185,6 +220,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
         "memory_stats": lambda index=None: {
             "allocated_bytes.all.current": fake.allocated,
             "reserved_bytes.all.current": fake.reserved},
+        "host_memory_stats": fake.pinned.stats,  # type: ignore[attr-defined]
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_memoryStats", fake.nested, raising=False)
@@ -256,6 +292,42 @@ def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None
     assert "3.0 MiB/iter on cuda:0" in rules["memory-growth"].message
     assert rules["memory-headroom"].severity is memsentry.Severity.HINT
     assert report.nvml is not None and report.nvml["available"] is False
+
+
+def test_pinned_host_memory_is_in_the_breakdown(cuda: FakeCachingAllocator) -> None:
+    """Batches pinned as a DataLoader(pin_memory=True) pins them: each 3 MB request takes a
+    4 MiB block, and the next batch is pinned before the one in use is given back (three
+    blocks, two in use); the report says what the pinned allocator holds,
+    apart from the device's figures."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pinned = cuda.pinned  # type: ignore[attr-defined]
+    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+        in_flight = [pinned.pin(3_000_000), pinned.pin(3_000_000)]
+        for _ in range(6):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            in_flight.append(pinned.pin(3_000_000))  # the next batch, while one is in use
+            pinned.unpin(in_flight.pop(0))
+    report = t.report()
+    assert report.pinned == memsentry.PinnedMemory(held=12 * MiB, in_use=8 * MiB,
+                                                   peak=12 * MiB, blocks=3)
+    text = " ".join(str(report).split())
+    assert ("Pinned host memory (page-locked RAM, not in the device's figures): 12 MiB held by "
+            "PyTorch's pinned allocator in 3 blocks, 8.0 MiB of it in use, at most 12 MiB"
+            ) in text
+    assert report.allocated == 0  # pinned pages are host memory: the device's count is apart
+
+
+def test_nothing_pinned_leaves_the_breakdown_as_it_was(cuda: FakeCachingAllocator) -> None:
+    model = make_mlp()
+    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+        for _ in range(3):
+            model(torch.randn(8, 16)).sum().backward()
+            t.step()
+    assert t.report().pinned is None
+    assert "Pinned host memory" not in str(t.report())
 
 
 def test_an_out_of_memory_error_on_cuda_is_explained_with_the_allocator_figures(

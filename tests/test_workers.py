@@ -81,13 +81,20 @@ def test_each_worker_is_followed_beside_the_process(every_fetch: None) -> None:
     assert again.workers == report.workers and again.process == report.process
 
 
-def test_a_new_iterator_each_epoch_is_a_new_loader_with_new_workers(every_fetch: None) -> None:
+def test_each_pass_over_a_loader_starts_new_workers_of_the_same_loader(
+        every_fetch: None) -> None:
     loader = DataLoader(Records(8_000), batch_size=1024, num_workers=2)
+    other = DataLoader(Records(4_000), batch_size=1024, num_workers=2)
     with memsentry.track(on_leak="ignore") as t:
         _train(loader, epochs=2)
+        _train(other, epochs=1)
     report = t.report()
-    assert sorted((w.loader, w.worker) for w in report.workers) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    assert len({w.pid for w in report.workers}) == 4
+    assert sorted((w.loader, w.epoch, w.worker) for w in report.workers) == [
+        (1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1)]
+    assert len({w.pid for w in report.workers}) == 6
+    table = str(report)
+    assert "loader 1 (Records) pass 2 worker 1, pid" in table
+    assert "loader 2 (Records) worker 0, pid" in table  # one pass: none named
 
 
 def test_a_loader_without_workers_has_none_to_follow(every_fetch: None) -> None:
@@ -131,18 +138,23 @@ def _findings(dataset: Dataset[tuple[torch.Tensor, int]], epochs: int = 1, *,
     return [f for f in t.report().findings if f.rule == "worker-memory"]
 
 
-def test_copy_on_read_of_a_list_of_dicts_is_named_with_its_attribute(every_fetch: None) -> None:
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_copy_on_read_of_a_list_of_dicts_is_named_with_its_attribute(
+        every_fetch: None, epochs: int) -> None:
     train_set = Records(300_000)
     loader = DataLoader(train_set, batch_size=1024, num_workers=2, shuffle=True)
     with memsentry.track(on_leak="ignore") as t:
-        _train(loader, epochs=1)
+        _train(loader, epochs=epochs)
     (finding,) = [f for f in t.report().findings if f.rule == "worker-memory"]
     assert finding.severity is memsentry.Severity.WASTE
-    assert "the 2 workers of DataLoader 1 (`Records`)" in finding.message
+    assert "the 2 workers of the DataLoader over `train_set` (Records)" in finding.message
     assert "`train_set.records` is a list of dict (300,000 items" in finding.message
     assert "copy-on-read" in finding.message
     assert "NumPy arrays" in finding.fix and "`train_set.records`" in finding.fix
     assert finding.bytes is not None and finding.bytes >= 32 * 1024 * 1024
+    # Without persistent workers, each pass's workers copy the records again: one finding.
+    again = "the loader started new workers for each of its 2 passes over the data"
+    assert (again in finding.message) == (epochs == 2)
 
 
 def test_the_same_samples_in_numpy_arrays_get_no_finding(every_fetch: None) -> None:
@@ -178,3 +190,39 @@ def test_on_the_default_schedule_each_worker_is_read_at_its_epochs_last_batch() 
     report = t.report()
     assert len(report.workers) == 2
     assert all(len(w.samples) >= 2 for w in report.workers)
+
+
+@pytest.mark.parametrize("mode", ["watch", "start-stop"])
+def test_the_always_on_mode_and_the_callbacks_follow_the_workers(
+        every_fetch: None, mode: str) -> None:
+    """``watch()``, and ``start()``/``stop()`` as a framework's callbacks call them, follow
+    the workers as ``track()`` does and name the same copy."""
+    train_set = Records(300_000)
+    loader = DataLoader(train_set, batch_size=1024, num_workers=2, shuffle=True)
+    tracker = (memsentry.watch(on_leak="ignore") if mode == "watch"
+               else memsentry.track(on_leak="ignore"))
+    tracker.start()
+    try:
+        _train(loader, epochs=1)
+    finally:
+        tracker.stop()
+    report = tracker.report()
+    assert len(report.workers) == 2
+    (finding,) = [f for f in report.findings if f.rule == "worker-memory"]
+    assert "`train_set.records` is a list of dict" in finding.message
+
+
+def test_spawned_workers_are_followed_and_a_leak_in_them_is_told(every_fetch: None) -> None:
+    """Workers started with ``spawn`` get the dataset pickled, not forked: reading it copies
+    nothing, and what their ``__getitem__`` keeps is still a leak."""
+    loader = DataLoader(Caching(8_000), batch_size=1024, num_workers=2,
+                        persistent_workers=True, multiprocessing_context="spawn")
+    with memsentry.track(on_leak="ignore") as t:
+        losses = _train(loader, epochs=4)
+    report = t.report()
+    assert len(report.workers) == 2 and all(len(w.samples) >= 6 for w in report.workers)
+    (finding,) = [f for f in report.findings if f.rule == "worker-memory"]
+    assert finding.severity is memsentry.Severity.LEAK
+    assert losses == _train(DataLoader(Caching(8_000), batch_size=1024, num_workers=2,
+                                       persistent_workers=True,
+                                       multiprocessing_context="spawn"), epochs=4)

@@ -11,7 +11,7 @@ import torch
 from memsentry.measure.accelerator import AcceleratorBackend
 from memsentry.measure.base import MemoryBackend
 from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
-from memsentry.measure.cuda import CudaBackend
+from memsentry.measure.cuda import CudaBackend, read_pinned
 from memsentry.measure.devices import (
     DEDICATED_DEVICE_TYPES,
     check_supported,
@@ -21,6 +21,7 @@ from memsentry.measure.devices import (
 )
 from memsentry.measure.nvml import NvmlInfo
 from memsentry.measure.nvml import query as nvml_query
+from memsentry.measure.processes import resident_peak
 from memsentry.measure.storage import StorageBackend, StorageCounter
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "make_backend",
     "nvml_query",
     "parse_device",
+    "read_pinned",
+    "resident_peak",
     "supported_device_types",
 ]
 

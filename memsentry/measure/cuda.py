@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memsentry.measure.base import IntervalPeak
-from memsentry.model import Measured, PeakMode
+from memsentry.model import Measured, PeakMode, PinnedMemory
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,24 @@ class _OomObserver:
 
 
 OOM_OBSERVER = _OomObserver()
+
+
+def read_pinned() -> PinnedMemory | None:
+    """The pinned host allocator's counters (``torch.cuda.host_memory_stats()``), or ``None``
+    where CUDA has not started, this torch has no such counters (before 2.5), or nothing was
+    ever pinned."""
+    reader = getattr(torch.cuda, "host_memory_stats", None)
+    if reader is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    try:
+        stats = reader()
+        pinned = PinnedMemory(held=int(stats["allocated_bytes.current"]),
+                              in_use=int(stats["active_bytes.current"]),
+                              peak=int(stats["allocated_bytes.peak"]),
+                              blocks=int(stats["allocations.current"]))
+    except (RuntimeError, KeyError, TypeError, ValueError):  # a torch that names them otherwise
+        return None
+    return pinned if pinned.peak else None
 
 
 class CudaBackend:

@@ -1,11 +1,14 @@
 """A process's memory as Linux counts it: ``/proc/<pid>/smaps_rollup`` (resident, proportional
 and private bytes), else the resident size in ``/proc/<pid>/status``. Reading the rollup makes
 the kernel walk the process's page tables: about 2 ms for a 250 MiB worker on the machine
-this was written on, so callers read it on a schedule, off the training thread."""
+this was written on, so callers read it on a schedule, off the training thread.
+:class:`ResidentReader` reads this process's resident size alone, cheaply enough for every
+measured iteration."""
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 _KIB = 1024
@@ -62,3 +65,51 @@ def read_process(pid: int) -> ProcessMemory | None:
         return None
     rss = values.get("VmRSS")
     return None if rss is None else ProcessMemory(rss, None, None)
+
+
+class ResidentReader:
+    """The resident size of this process, read often and cheaply: ``/proc/self/statm`` stays
+    open and is read again from its start (about 1.5 microseconds). A forked child opens its
+    own. :meth:`read` gives ``None`` where there is no such file."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._pid = 0
+        self._missing = False
+
+    def read(self) -> int | None:
+        if self._missing:
+            return None
+        pid = os.getpid()
+        try:
+            if self._fd is None or self._pid != pid:
+                self.close()
+                self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), pid
+            return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            self._missing = True
+            self.close()
+            return None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (reading again opens it)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def resident_peak() -> int | None:
+    """The highest resident size this process reached since it began (``ru_maxrss``), or
+    ``None`` where the system does not say."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else _KIB) if peak > 0 else None

@@ -46,7 +46,7 @@ from memsentry.model.kinds import (
     SubjectKind,
 )
 from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
-from memsentry.model.processes import DatasetObjects, ProcessSample, WorkerMemory
+from memsentry.model.processes import DatasetObjects, PinnedMemory, ProcessSample, WorkerMemory
 from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
@@ -87,6 +87,7 @@ __all__ = [
     "PartCost",
     "PeakMode",
     "Phase",
+    "PinnedMemory",
     "ProcessSample",
     "ReportData",
     "ReportDiff",

@@ -119,6 +119,7 @@ class SubjectKind(_Text):
     TYPE = "type"
     DEVICE = "device"
     LOOP = "loop"
+    PROCESS = "process"
 
 
 __all__ = ["Boundary", "FixKind", "ForecastMethod", "HolderKind", "Measured", "PeakMode", "Phase",

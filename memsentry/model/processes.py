@@ -36,10 +36,13 @@ class DatasetObjects:
 @dataclass(frozen=True)
 class WorkerMemory:
     """A DataLoader worker process followed while tracking: its ``pid``, its ``worker`` id in
-    its loader, ``loader`` the number of its loader's iterator (1 for the first one memsentry
-    saw fetch a batch), ``dataset`` the dataset's class name, and its ``samples`` in time
-    order (the last one taken when it ended or when tracking stopped); ``objects`` the
-    dataset's largest container of Python objects, when it has one."""
+    its loader, ``loader`` the number of its loader (1 for the first one memsentry saw fetch a
+    batch; the loaders over one dataset object count as one), ``dataset`` the dataset's class
+    name, and its ``samples`` in time order (the last one taken when it ended or when tracking
+    stopped); ``objects`` the dataset's largest container of Python objects, when it has
+    one; ``epoch`` which start of the loader's workers it belongs to (a loader without
+    ``persistent_workers`` starts new ones for each pass over its data: 2 is the second
+    pass's)."""
 
     pid: int
     worker: int
@@ -47,3 +50,20 @@ class WorkerMemory:
     dataset: str
     samples: tuple[ProcessSample, ...] = ()
     objects: DatasetObjects | None = None
+    epoch: int = 1
+
+
+@dataclass(frozen=True)
+class PinnedMemory:
+    """Page-locked host memory held by PyTorch's pinned-memory allocator (batches a
+    ``DataLoader(pin_memory=True)`` pinned, ``tensor.pin_memory()``, copies to the host with
+    ``non_blocking=True``), read when tracking stopped: ``held`` the bytes of the blocks it owns,
+    handed out or cached for reuse; ``in_use`` those handed out; ``peak`` the most it held;
+    ``blocks`` how many blocks it holds. Each request is rounded up to a power of two, and
+    these are the rounded sizes. The system cannot swap these pages out; they count in the
+    process's resident memory, not in the device's."""
+
+    held: int
+    in_use: int
+    peak: int
+    blocks: int

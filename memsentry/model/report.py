@@ -16,7 +16,7 @@ from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
 from memsentry.model.oom import OutOfMemory
-from memsentry.model.processes import ProcessSample, WorkerMemory
+from memsentry.model.processes import PinnedMemory, ProcessSample, WorkerMemory
 from memsentry.model.reading import read_json
 from memsentry.model.timeline import IterationStats, LayerStats
 
@@ -50,7 +50,10 @@ class ReportData:
     the per-rank reports in rank order (those that reported) and ``findings`` all of theirs,
     each with its ``rank``. ``cost`` is what memsentry's own work took, part by part.
     ``workers`` are the DataLoader worker processes followed while tracking, ``process`` the
-    tracked process's own readings as the system counts it (taken with theirs).
+    tracked process's own readings as the system counts it (when tracking began and ended,
+    and with the workers' readings), ``resident_peak`` the highest resident memory the
+    process reached since it began (``None`` where the system does not say), and ``pinned``
+    the page-locked host memory PyTorch's pinned allocator held (``None`` without CUDA).
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -82,6 +85,8 @@ class ReportData:
     cost: Cost | None = None
     workers: tuple[WorkerMemory, ...] = ()
     process: tuple[ProcessSample, ...] = ()
+    resident_peak: int | None = None
+    pinned: PinnedMemory | None = None
 
     @property
     def breakdown(self) -> Breakdowns:

@@ -61,6 +61,11 @@ class IterationStats:
     ``sampled`` is false for an iteration memsentry measured only at its closing boundary,
     to keep its cost budget: its ``peak`` is then that boundary's reading, a lower bound, and
     it has no ``parts``, ``reserved`` or ``batch``.
+    ``resident`` is the process's resident memory as the system counts it (tensors, Python
+    objects, libraries, everything) and ``python_blocks`` the blocks Python's small-object
+    allocator hands out (each object of 512 bytes or less takes one), both read at the closing
+    boundary (``None`` where the system does not say, and in reports written before they
+    were read).
     """
 
     index: int
@@ -74,6 +79,8 @@ class IterationStats:
     batch: int | None = None
     parts: Breakdown | None = None
     sampled: bool = True
+    resident: int | None = None
+    python_blocks: int | None = None
 
 
 def complete(iterations: Sequence[IterationStats], *, skip: int = 0) -> list[IterationStats]:

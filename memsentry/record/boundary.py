@@ -153,10 +153,12 @@ class Boundaries:
         seconds = now - self._clock.started
         each = seconds / (passed + 1)
         allocated = self._sampler.sample()
+        resident, blocks = self._clock.resident()
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
-            data_seconds=self._clock.data_seconds(passed + 1), sampled=False))
+            data_seconds=self._clock.data_seconds(passed + 1), sampled=False,
+            resident=resident, python_blocks=blocks))
         self._sampler.peak = allocated
         if boundary != Boundary.FORWARD:
             self._settle_calls()

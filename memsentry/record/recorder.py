@@ -25,6 +25,8 @@ from memsentry.measure import (
     make_backend,
     nvml_query,
     parse_device,
+    read_pinned,
+    resident_peak,
 )
 from memsentry.model import Boundary, OutOfMemory, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
@@ -109,7 +111,8 @@ def _steps_nest(kind: type) -> bool:
 def _with_processes(clock: IterationClock, data: ReportData) -> ReportData:
     """``data`` with the DataLoader workers followed and the process's own readings."""
     workers, process = clock.processes()
-    return replace(data, workers=workers, process=process)
+    return replace(data, workers=workers, process=process, resident_peak=resident_peak(),
+                   pinned=read_pinned())
 
 
 class Recorder:

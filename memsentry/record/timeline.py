@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from memsentry.measure.processes import ResidentReader
 from memsentry.model import Boundary, Breakdown, IterationStats
 from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.record.batches import install, uninstall, waited
 from memsentry.record.signals import Signals
-from memsentry.record.workers import following, recorded, sample
+from memsentry.record.workers import recorded, sample
 
 
 def batch_size(args: Any) -> int | None:
@@ -36,6 +38,7 @@ class IterationClock:
         self._timing = False
         self._began = time.perf_counter()
         self._processes: tuple[tuple[WorkerMemory, ...], tuple[ProcessSample, ...]] = ((), ())
+        self._resident = ResidentReader()
 
     def time_batches(self) -> None:
         """Time the DataLoader fetches, and follow the loaders' worker processes, from now on
@@ -45,11 +48,12 @@ class IterationClock:
             self._timing = True
             self._fetched = waited()
             self._began = time.perf_counter()
+            sample()  # the process's memory as tracking begins
 
     def stop_timing_batches(self) -> None:
         if self._timing:
-            if following():
-                sample()  # the workers' and the process's memory as tracking ends
+            sample()  # the workers' and the process's memory as tracking ends
+            self._resident.close()
             self._processes = recorded(self._began)
             uninstall()
             self._timing = False
@@ -80,7 +84,12 @@ class IterationClock:
             index=self.index, allocated=allocated, reserved=reserved, peak=peak,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
             data_seconds=self.data_seconds(), batch=self.batch, parts=parts,
+            resident=self._resident.read(), python_blocks=sys.getallocatedblocks(),
         )
+
+    def resident(self) -> tuple[int | None, int]:
+        """The process's resident bytes and Python's small-object blocks now."""
+        return self._resident.read(), sys.getallocatedblocks()
 
     def advance(self, now: float) -> None:
         """Begin the next iteration at ``now`` (after what the boundary's own work took)."""

@@ -35,6 +35,7 @@ class _Process:
     worker: int
     loader: int
     dataset: str
+    epoch: int = 1
     objects: DatasetObjects | None = None
     samples: list[tuple[float, int, int | None, int | None]] = field(default_factory=list)
     ended: bool = False
@@ -53,9 +54,12 @@ class _Process:
 _lock = threading.Lock()
 _loaders: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _workers: dict[int, _Process] = {}
+#: Per dataset (by id, with a weak reference where it takes one, to tell a new object that
+#: reuses an id): its loader's number and the worker sets started for it so far.
+_datasets: dict[int, tuple[Any, int, int]] = {}
 _main = _Process(os.getpid(), -1, 0, "")
 _due = 0.0  # when the next round of readings is due (time.perf_counter())
-_counted = 0  # loader iterators seen
+_counted = 0  # loaders numbered (one per dataset)
 
 
 def reset() -> None:
@@ -64,17 +68,19 @@ def reset() -> None:
     with _lock:
         _loaders.clear()
         _workers.clear()
+        _datasets.clear()
         _main = _Process(os.getpid(), -1, 0, "")
         _due, _counted = 0.0, 0
 
 
 def fetched(iterator: Any) -> None:
     """A loader's iterator fetched a batch: its workers are followed from now, and a round of
-    readings is taken when one is due, and at the epoch's last batch (workers that do not
-    persist are shut down before the loop sees the epoch end)."""
-    if iterator not in _loaders:
-        _follow(iterator)
-    if time.perf_counter() >= _due or _last_batch(iterator):
+    readings is taken at once, then when one is due, and at the epoch's last batch (workers
+    that do not persist are shut down before the loop sees the epoch end)."""
+    new = iterator not in _loaders
+    if new:
+        _follow(iterator)  # and read its workers now: their first reading is the baseline
+    if new or time.perf_counter() >= _due or _last_batch(iterator):
         sample()
 
 
@@ -86,19 +92,38 @@ def _last_batch(iterator: Any) -> bool:
 
 
 def _follow(iterator: Any) -> None:
-    global _counted
     dataset = getattr(iterator, "_dataset", None)
     try:
         objects = dataset_objects(dataset, sys._getframe(2))
     except Exception:  # a dataset whose attributes cannot be read: named by its class only
         objects = None
     with _lock:
-        _counted += 1
-        number = _loaders[iterator] = _counted
+        number, epoch = _number(dataset)
+        _loaders[iterator] = number
         for index, worker in enumerate(getattr(iterator, "_workers", ()) or ()):
             pid = getattr(worker, "pid", None)
             if isinstance(pid, int) and pid not in _workers:
-                _workers[pid] = _Process(pid, index, number, type(dataset).__name__, objects)
+                _workers[pid] = _Process(pid, index, number, type(dataset).__name__, epoch,
+                                         objects)
+
+
+def _number(dataset: Any) -> tuple[int, int]:
+    """(the loader's number, which start of its workers this is): one number per dataset,
+    so the workers a loader starts anew each epoch are told as that loader's."""
+    global _counted
+    key = id(dataset)
+    known = _datasets.get(key)
+    if known is not None and (known[0] is None or known[0]() is dataset):
+        ref, number, starts = known
+        _datasets[key] = (ref, number, starts + 1)
+        return number, starts + 1
+    try:
+        ref = weakref.ref(dataset)
+    except TypeError:  # no weak reference: the id alone tells it
+        ref = None
+    _counted += 1
+    _datasets[key] = (ref, _counted, 1)
+    return _counted, 1
 
 
 def sample() -> None:
@@ -116,11 +141,6 @@ def sample() -> None:
     _due = began + max(MIN_INTERVAL, spent / SHARE)
 
 
-def following() -> bool:
-    """Whether any DataLoader worker is followed."""
-    return bool(_workers)
-
-
 def _samples(process: _Process, since: float) -> tuple[ProcessSample, ...]:
     return tuple(ProcessSample(at - since, rss, pss, private)
                  for at, rss, pss, private in process.samples if at >= since)
@@ -131,6 +151,7 @@ def recorded(since: float) -> tuple[tuple[WorkerMemory, ...], tuple[ProcessSampl
     (``time.perf_counter()`` when a tracker started), times counted from then."""
     with _lock:
         workers = tuple(
-            WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since), p.objects)
+            WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since), p.objects,
+                         p.epoch)
             for p in _workers.values() if any(at >= since for at, *_ in p.samples))
         return workers, _samples(_main, since)

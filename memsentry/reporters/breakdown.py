@@ -6,7 +6,14 @@ import textwrap
 
 from tabulate import tabulate
 
-from memsentry.model import CATEGORIES, Breakdown, LayerStats, Measured, ReportData
+from memsentry.model import (
+    CATEGORIES,
+    Breakdown,
+    LayerStats,
+    Measured,
+    PinnedMemory,
+    ReportData,
+)
 from memsentry.units import format_bytes
 
 _LABELS = {
@@ -26,11 +33,23 @@ def layer_share(layer: LayerStats, peak: Breakdown | None) -> str:
     return f"{share:.0%}" if share >= 0.01 or not layer.saved_bytes else "<1%"
 
 
+def pinned_line(pinned: PinnedMemory) -> str:
+    """The pinned host allocator's figures, in words."""
+    return (f"Pinned host memory (page-locked RAM, not in the device's figures): "
+            f"{format_bytes(pinned.held)} held by PyTorch's pinned allocator in "
+            f"{pinned.blocks:,} block{'s' if pinned.blocks != 1 else ''}, "
+            f"{format_bytes(pinned.in_use)} of it in use, at most {format_bytes(pinned.peak)} "
+            "(each request rounded up to a power of two; DataLoader(pin_memory=True) holds "
+            "about prefetch_factor x num_workers batches)")
+
+
 def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
-    """The table, or ``None`` when no iteration carries a breakdown."""
+    """The table and the pinned host memory; ``None`` when no iteration carries a breakdown
+    and nothing was pinned."""
     peak = report.breakdown.peak
     if peak is None:
-        return None
+        return None if report.pinned is None else textwrap.fill(pinned_line(report.pinned),
+                                                                width)
     index = next((it.index for it in report.iterations if it.parts is peak), None)
     rows = []
     for name in CATEGORIES:
@@ -51,8 +70,10 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     if peak.excess:
         lines.append(f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
                      "read: the peak fell between the moments they were read.")
+    if report.pinned is not None:
+        lines.append(pinned_line(report.pinned))
     return "\n".join(textwrap.fill(line, width) if "\n" not in line else line
                      for line in lines)
 
 
-__all__ = ["layer_share", "render_breakdown"]
+__all__ = ["layer_share", "pinned_line", "render_breakdown"]

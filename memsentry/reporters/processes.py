@@ -36,9 +36,11 @@ def render_processes(report: ReportData) -> str | None:
     rows = []
     if report.process:
         rows.append(_row("this process", report.process))
-    for worker in sorted(followed, key=lambda w: (w.loader, w.worker)):
-        rows.append(_row(f"loader {worker.loader} ({worker.dataset}) worker {worker.worker}, "
-                         f"pid {worker.pid}", worker.samples))
+    passes = {w.loader for w in followed if w.epoch > 1}
+    for worker in sorted(followed, key=lambda w: (w.loader, w.epoch, w.worker)):
+        again = f" pass {worker.epoch}" if worker.loader in passes else ""
+        rows.append(_row(f"loader {worker.loader} ({worker.dataset}){again} worker "
+                         f"{worker.worker}, pid {worker.pid}", worker.samples))
     table = tabulate(rows, headers=["process", "resident", "proportional", "private",
                                     "private change", "over", "readings"],
                      tablefmt="simple", disable_numparse=True, stralign="right")

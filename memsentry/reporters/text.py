@@ -151,21 +151,27 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12) -> str:
     if len(its) > rows_at_most:
         head = rows_at_most // 3
         shown = [*its[:head], None, *its[-(rows_at_most - head):]]
+    resident = any(it.resident is not None for it in its)
+    headers = _ITER_HEADERS[:-1] + ("resident",) * resident + _ITER_HEADERS[-1:]
     rows = []
     for it in shown:
         if it is None:
-            rows.append(["…", "", "", "", "", ""])
+            rows.append(["…"] + [""] * (len(headers) - 1))
             continue
         label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
         rows.append([label, format_bytes(it.allocated),
                      format_bytes(it.allocated - report.baseline, signed=True),
                      format_bytes(it.peak), format_bytes(it.reserved),
+                     *[format_bytes(it.resident)] * resident,
                      f"{it.seconds * 1000:.1f} ms"])
-    table = tabulate(rows, headers=_ITER_HEADERS, tablefmt="simple",
-                     colalign=("right",) * 6, disable_numparse=True)
-    lines = [f"Iterations ({len(its)} recorded"
+    table = tabulate(rows, headers=headers, tablefmt="simple",
+                     colalign=("right",) * len(headers), disable_numparse=True)
+    title = (f"Iterations ({len(its)} recorded"
              + (f", {report.dropped_iterations} thinned out" if report.dropped_iterations else "")
-             + "; allocated at each boundary, peak inside)", table]
+             + "; allocated at each boundary, peak inside"
+             + ("; resident: the whole process, as the system counts it" if resident else "")
+             + ")")
+    lines = [textwrap.fill(title, 100, subsequent_indent="  "), table]
     closed = complete(its)
     if closed:
         median_s = statistics.median(it.seconds for it in closed)
@@ -206,9 +212,24 @@ def render_header(report: ReportData) -> str:
     if report.total_memory:
         figures.append(f"of {format_bytes(report.total_memory)}")
     parts.append("allocated " + ", ".join(figures))
+    process = _process_line(report)
+    if process is not None:
+        parts.append(process)
     if report.nvml is not None:
         parts.append(_nvml_line(report.nvml))
     return "\n".join(parts)
+
+
+def _process_line(report: ReportData) -> str | None:
+    """The process's resident memory, as the system counts it, beside the allocator's."""
+    if not report.process:
+        return None
+    first, last = report.process[0], report.process[-1]
+    line = (f"process resident at start {format_bytes(first.rss)}, now "
+            f"{format_bytes(last.rss)} ({format_bytes(last.rss - first.rss, signed=True)})")
+    if report.resident_peak is not None:
+        line += f", highest ever {format_bytes(report.resident_peak)}"
+    return line
 
 
 def _nvml_bytes(nvml: dict[str, Any], key: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memsentry.model import (
     Finding,
+    IterationStats,
     Measured,
     ReportData,
     Severity,
@@ -11,6 +12,7 @@ from memsentry.model import (
     SubjectKind,
 )
 from memsentry.rules.registry import rule
+from memsentry.rules.resident import objects_note, resident_growth
 from memsentry.rules.series import (
     MIN_CENSUSES,
     WARMUP,
@@ -43,6 +45,22 @@ def _reachable_growth(report: ReportData) -> tuple[float, int] | None:
     return (totals[-1] - totals[0]) / span, len(censuses)
 
 
+def _not_tensors(message: str, its: list[IterationStats], rate: float) -> tuple[str, str]:
+    """The heap grows and tensors do not: the message's end and the fix, with Python's
+    small objects named when they grow enough to be the source."""
+    objects = objects_note(its, rate)
+    if objects is not None:
+        return (f"{message}, while {objects}: Python values pile up, not tensors",
+                "look for a list, dict or log that gets entries every step and is never "
+                "cleared (a history of metrics, records kept by a callback); keep a running "
+                "summary instead, or write the entries to disk")
+    return (f"{message}: the growth is not tensor memory memsentry can see (allocator "
+            "bookkeeping, library caches, C objects), or tensors held where no Python "
+            "reference leads",
+            "if the process keeps growing over a long run, measure tensor storages only with "
+            "track(exact=True) (or `memsentry run --exact`): a leak of tensors shows there")
+
+
 @rule(RULE_ID, severities={Severity.LEAK, Severity.HINT}, fallback=True)
 def memory_growth(report: ReportData) -> list[Finding]:
     """Allocated memory climbs steadily after warm-up, at identical iteration boundaries, and
@@ -51,14 +69,16 @@ def memory_growth(report: ReportData) -> list[Finding]:
     Reports the rate, the growth so far and, when the device size is known, a forecast of the
     iteration at which the device (or RAM, on CPU) runs out. Where the figures are the process
     heap (CPU's default backend) and the censuses saw the tensors the loop can reach stay
-    flat, the growth is not tensor memory: a hint, not a leak.
+    flat, the growth is not tensor memory: a hint, not a leak. When the allocator's count is
+    flat but the process's resident memory climbs, a hint says so and what the readings tell
+    of its source (:mod:`memsentry.rules.resident`).
     """
     complete = after_warmup(report)
     if len(complete) < MIN_ITERATIONS:
         return []
     growth = steady_growth(complete)
     if growth is None:
-        return []
+        return resident_growth(report, complete)
     rate, rising = growth
     first, last = complete[0], complete[-1]
     grown = last.allocated - first.allocated
@@ -102,14 +122,9 @@ def memory_growth(report: ReportData) -> list[Finding]:
         message += (
             f"; but this counts the whole process heap, and the tensors your code can reach "
             f"grew {format_bytes(round(max(reached[0], 0)), signed=True)}/iter over "
-            f"{reached[1]} censuses: the growth is not tensor memory memsentry can see "
-            "(allocator bookkeeping, library caches, C objects), or tensors held where no "
-            "Python reference leads"
+            f"{reached[1]} censuses"
         )
-        fix = (
-            "if the process keeps growing over a long run, measure tensor storages only with "
-            "track(exact=True) (or `memsentry run --exact`): a leak of tensors shows there"
-        )
+        message, fix = _not_tensors(message, complete, rate)
     return [
         Finding(
             rule=RULE_ID,

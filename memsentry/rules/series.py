@@ -4,6 +4,7 @@ censuses of the figures of one holder (or one module's hooks)."""
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,7 +19,6 @@ from memsentry.model import (
     Step,
     StepKind,
     complete,
-    growth_per_iteration,
     spell,
 )
 from memsentry.model.places import until_subscript
@@ -282,17 +282,32 @@ MIN_RECENT_RATE_SHARE = 0.25
 def steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
     """(bytes per iteration, share of rising steps) when the allocated memory of ``its`` grows
     steadily (the ``memory-growth`` judgement), else None (also with fewer than four)."""
-    if len(its) < 4:
+    return steady_climb([(it.index, it.allocated) for it in its])
+
+
+def _slope(points: Sequence[tuple[int, int]]) -> float | None:
+    if len(points) < 2 or len({index for index, _ in points}) < 2:
         return None
-    steps = [b.allocated - a.allocated for a, b in itertools.pairwise(its)]
+    return statistics.linear_regression([float(i) for i, _ in points],
+                                        [float(v) for _, v in points]).slope
+
+
+def steady_climb(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
+    """(bytes per iteration, share of rising steps) when the figures of ``points``
+    (iteration, bytes), in order, grow steadily, else None (also with fewer than four): most
+    steps rise, the figure keeps what it gained, and the latest steps still rise."""
+    if len(points) < 4:
+        return None
+    values = [value for _, value in points]
+    steps = [b - a for a, b in itertools.pairwise(values)]
     rising = sum(step > 0 for step in steps) / len(steps)
-    slope = growth_per_iteration(its, warmup=0)
+    slope = _slope(points)
     if slope is None or rising < MIN_RISING_SHARE or slope < MIN_RATE:
         return None
     gained = sum(step for step in steps if step > 0)
-    if its[-1].allocated - its[0].allocated < MIN_RETAINED_SHARE * gained:
+    if values[-1] - values[0] < MIN_RETAINED_SHARE * gained:
         return None  # memory given back: a sawtooth or a bounded cache, not a climb
-    recent = growth_per_iteration(its[-max(3, round(len(its) * RECENT_SHARE)):], warmup=0)
+    recent = _slope(points[-max(3, round(len(points) * RECENT_SHARE)):])
     if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * slope):
         return None  # it grew, then stopped: a window or cache that filled up
     return slope, rising
