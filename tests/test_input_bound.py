@@ -55,7 +55,8 @@ def _one_thread() -> Iterator[None]:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_slow_dataset_is_named_as_the_wait(workers: int) -> None:
     model, opt = _setup()
-    loader = DataLoader(Samples(8 * STEPS, delay=0.008), batch_size=8, num_workers=workers)
+    # 160 ms a batch: far past the step even when a loaded machine slows the loop tenfold.
+    loader = DataLoader(Samples(8 * STEPS, delay=0.02), batch_size=8, num_workers=workers)
     with memsentry.track(model, on_leak="ignore") as t:
         for x, y in loader:
             nn.functional.cross_entropy(model(x), y).backward()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 import memsentry
 import memsentry.record.workers as workers_module
@@ -172,14 +172,18 @@ class NamedCaching(Caching):
 
 @pytest.mark.parametrize(("dataset", "why"), [
     (Caching, "still growing through the later half of the run"),
-    (NamedCaching, "more than a copy of the dataset's Python objects would take"),
+    (NamedCaching, "more than a copy of the dataset's Python objects explains"),
 ])
 def test_a_worker_that_keeps_what_it_makes_is_told_apart(
         every_fetch: None, dataset: type[Caching], why: str) -> None:
     (finding,) = _findings(dataset(8_000), epochs=4, persistent=True)
     assert finding.severity is memsentry.Severity.LEAK
     assert why in finding.message
-    assert "`__getitem__`" in finding.fix
+    # The holder is the attribute __getitem__ adds to, at its line.
+    assert "`__getitem__` adds to `self.made` (tests/test_workers.py:" in finding.message
+    assert finding.subject is not None and finding.subject.name == "self.made"
+    assert finding.location is not None and finding.location.file.endswith("test_workers.py")
+    assert "`self.made`" in finding.fix
 
 
 def test_on_the_default_schedule_each_worker_is_read_at_its_epochs_last_batch() -> None:
@@ -226,3 +230,36 @@ def test_spawned_workers_are_followed_and_a_leak_in_them_is_told(every_fetch: No
     assert losses == _train(DataLoader(Caching(8_000), batch_size=1024, num_workers=2,
                                        persistent_workers=True,
                                        multiprocessing_context="spawn"), epochs=4)
+
+
+class Reader:
+    """What a library's image dataset keeps (a reader holding the list of files)."""
+
+    def __init__(self, size: int) -> None:
+        self.samples = [(f"/data/train/{i % 4}/img_{i:07d}.jpg", i % 4) for i in range(size)]
+
+
+class Folder(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, size: int) -> None:
+        self.reader = Reader(size)
+
+    def __len__(self) -> int:
+        return len(self.reader.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.reader.samples[index]
+        return torch.full((8,), float(len(path))), label
+
+
+def test_samples_kept_by_an_object_the_dataset_holds_are_named_through_it(
+        every_fetch: None) -> None:
+    """``train_set.reader.samples``, and the same list through a ``Subset`` of it."""
+    train_set = Folder(300_000)
+    part = Subset(train_set, range(200_000))
+    for dataset, spelled in ((train_set, "train_set.reader.samples"),
+                             (part, "part.dataset.reader.samples")):
+        loader = DataLoader(dataset, batch_size=1024, num_workers=2, shuffle=True)
+        with memsentry.track(on_leak="ignore") as t:
+            _train(loader, epochs=1)
+        (finding,) = [f for f in t.report().findings if f.rule == "worker-memory"]
+        assert f"`{spelled}` is a list of tuple (300,000 items" in finding.message

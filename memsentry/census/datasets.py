@@ -9,6 +9,8 @@ import sys
 import types
 from typing import Any
 
+import torch.utils.data
+
 from memsentry.model.processes import DatasetObjects
 from memsentry.usercode.frames import spelled_name
 
@@ -45,17 +47,59 @@ def _estimate(container: Any) -> tuple[str, int]:
     return kind, int(sys.getsizeof(container) + each * count)
 
 
+#: Attributes of attributes followed, this many levels down (a reader, a wrapper's dataset).
+DEPTH = 3
+#: Objects whose attributes are looked at, at most.
+MAX_OBJECTS = 200
+
+
+def _containers(dataset: Any) -> list[tuple[str, Any]]:
+    """(attribute path, container) of every container of :data:`MIN_ITEMS` items or more
+    among ``dataset``'s attributes and theirs, :data:`DEPTH` levels down (``reader.samples``
+    for a dataset that keeps a reader)."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = {id(dataset)}
+    queue: list[tuple[str, Any, int]] = [("", dataset, 0)]
+    while queue and len(seen) <= MAX_OBJECTS:
+        path, obj, depth = queue.pop(0)
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict):
+            continue
+        for name, value in list(attributes.items()):
+            if not isinstance(name, str) or id(value) in seen:
+                continue
+            seen.add(id(value))
+            spelled = f"{path}.{name}" if path else name
+            if isinstance(value, _CONTAINERS):
+                if len(value) >= MIN_ITEMS:
+                    found.append((spelled, value))
+            elif depth + 1 < DEPTH and _plain(value):
+                queue.append((spelled, value, depth + 1))
+    return found
+
+
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.MethodType)
+
+
+def _plain(value: Any) -> bool:
+    """An instance whose attributes may keep the samples: a user's or a library's object
+    (a reader, the dataset a ``Subset`` wraps), not a class, module, function, tensor or
+    array (those keep none), nor another of torch's objects."""
+    if isinstance(value, _NOT_HOLDERS) or not hasattr(value, "__dict__"):
+        return False
+    if isinstance(value, torch.utils.data.Dataset):
+        return True
+    return (not hasattr(value, "__array_interface__")
+            and type(value).__module__.partition(".")[0] != "torch")
+
+
 def dataset_objects(dataset: Any, frame: types.FrameType | None) -> DatasetObjects | None:
-    """The largest container of Python objects among ``dataset``'s attributes (``None``
-    when it keeps none of :data:`MIN_ITEMS` items or more)."""
-    attributes = getattr(dataset, "__dict__", None)
-    if not isinstance(attributes, dict):
-        return None
-    found = [(len(value), name, value) for name, value in list(attributes.items())
-             if isinstance(value, _CONTAINERS) and len(value) >= MIN_ITEMS]
+    """The largest container of Python objects among ``dataset``'s attributes, or theirs
+    (``None`` when it keeps none of :data:`MIN_ITEMS` items or more)."""
+    found = [(path, container, *_estimate(container)) for path, container in
+             _containers(dataset)]
     if not found:
         return None
-    items, attribute, container = max(found, key=lambda entry: entry[0])
-    kind, size = _estimate(container)
+    attribute, container, kind, size = max(found, key=lambda entry: entry[3])
     name = spelled_name(dataset, frame, frames=None) or type(dataset).__name__
-    return DatasetObjects(f"{name}.{attribute}", kind, items, size)
+    return DatasetObjects(f"{name}.{attribute}", kind, len(container), size, name)

@@ -46,7 +46,13 @@ from memsentry.model.kinds import (
     SubjectKind,
 )
 from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
-from memsentry.model.processes import DatasetObjects, PinnedMemory, ProcessSample, WorkerMemory
+from memsentry.model.processes import (
+    DatasetObjects,
+    DatasetStore,
+    PinnedMemory,
+    ProcessSample,
+    WorkerMemory,
+)
 from memsentry.model.report import SCHEMA_VERSION, ReportData
 from memsentry.model.timeline import IterationStats, LayerStats, complete, growth_per_iteration
 
@@ -62,6 +68,7 @@ __all__ = [
     "Change",
     "Cost",
     "DatasetObjects",
+    "DatasetStore",
     "Finding",
     "FindingPair",
     "FixKind",

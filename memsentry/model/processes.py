@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memsentry.model.places import Location
+
 
 @dataclass(frozen=True)
 class ProcessSample:
@@ -25,12 +27,25 @@ class DatasetObjects:
     """The largest container of Python objects a loader's dataset keeps: ``name`` spells it as
     the code does (``train_set.records``), ``kind`` is its type and what it holds (``list of
     dict``), ``items`` its length and ``bytes`` the Python objects' size, estimated from a
-    sample of its items (what a worker copies by reading them all)."""
+    sample of its items (what a worker copies by reading them all); ``dataset`` spells the
+    dataset itself (``train_set``)."""
 
     name: str
     kind: str
     items: int
     bytes: int
+    dataset: str = ""
+
+
+@dataclass(frozen=True)
+class DatasetStore:
+    """An attribute of a dataset that its ``__getitem__`` adds to (``self.cache[index] =
+    sample``): ``name`` as the code spells it (``self.cache``) and ``location`` the first line
+    that adds to it. Each worker fills its own copy of the dataset, unseen by the main
+    process."""
+
+    name: str
+    location: Location
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ class WorkerMemory:
     stopped); ``objects`` the dataset's largest container of Python objects, when it has
     one; ``epoch`` which start of the loader's workers it belongs to (a loader without
     ``persistent_workers`` starts new ones for each pass over its data: 2 is the second
-    pass's)."""
+    pass's); ``stores`` the attributes its dataset's ``__getitem__`` adds to."""
 
     pid: int
     worker: int
@@ -51,6 +66,7 @@ class WorkerMemory:
     samples: tuple[ProcessSample, ...] = ()
     objects: DatasetObjects | None = None
     epoch: int = 1
+    stores: tuple[DatasetStore, ...] = ()
 
 
 @dataclass(frozen=True)

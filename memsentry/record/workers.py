@@ -19,7 +19,8 @@ from typing import Any
 
 from memsentry.census.datasets import dataset_objects
 from memsentry.measure.processes import read_process, read_resident
-from memsentry.model.processes import DatasetObjects, ProcessSample, WorkerMemory
+from memsentry.model.processes import DatasetObjects, DatasetStore, ProcessSample, WorkerMemory
+from memsentry.usercode.stores import dataset_stores
 
 #: Seconds between two rounds of readings, at least.
 MIN_INTERVAL = 1.0
@@ -37,6 +38,7 @@ class _Process:
     dataset: str
     epoch: int = 1
     objects: DatasetObjects | None = None
+    stores: tuple[DatasetStore, ...] = ()
     samples: list[tuple[float, int, int | None, int | None]] = field(default_factory=list)
     ended: bool = False
 
@@ -97,6 +99,7 @@ def _follow(iterator: Any) -> None:
         objects = dataset_objects(dataset, sys._getframe(2))
     except Exception:  # a dataset whose attributes cannot be read: named by its class only
         objects = None
+    stores = dataset_stores(dataset)
     with _lock:
         number, epoch = _number(dataset)
         _loaders[iterator] = number
@@ -104,7 +107,7 @@ def _follow(iterator: Any) -> None:
             pid = getattr(worker, "pid", None)
             if isinstance(pid, int) and pid not in _workers:
                 _workers[pid] = _Process(pid, index, number, type(dataset).__name__, epoch,
-                                         objects)
+                                         objects, stores)
 
 
 def _number(dataset: Any) -> tuple[int, int]:
@@ -152,6 +155,6 @@ def recorded(since: float) -> tuple[tuple[WorkerMemory, ...], tuple[ProcessSampl
     with _lock:
         workers = tuple(
             WorkerMemory(p.pid, p.worker, p.loader, p.dataset, _samples(p, since), p.objects,
-                         p.epoch)
+                         p.epoch, p.stores)
             for p in _workers.values() if any(at >= since for at, *_ in p.samples))
         return workers, _samples(_main, since)

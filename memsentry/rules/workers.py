@@ -9,6 +9,8 @@ objects take is the worker's own leak (a cache filled in ``__getitem__``).
 
 from __future__ import annotations
 
+import itertools
+
 from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
 from memsentry.model.processes import WorkerMemory
 from memsentry.rules.registry import rule
@@ -20,8 +22,13 @@ MIN_SAMPLES = 3
 #: Private growth of all a loader's workers together below which nothing is said.
 MIN_TOTAL = 32 * 1024 * 1024
 #: A worker that grew past this multiple of the dataset's Python objects (and this many bytes
-#: beyond them) holds more than its copy of them.
+#: beyond them) holds more than its copy of them, when its ``__getitem__`` adds to an
+#: attribute of the dataset (a cache to blame); past ``PAST_OBJECTS_UNSTORED`` times when it
+#: adds to none: a copy takes whole pages, and objects built among others (strings formatted
+#: in a loop) spread over twice their size of pages (a list of 300,000 path tuples: about
+#: 49 MiB of objects, 96 MiB copied by each worker).
 PAST_OBJECTS = 1.5
+PAST_OBJECTS_UNSTORED = 3.0
 PAST_BYTES = 32 * 1024 * 1024
 
 
@@ -31,21 +38,29 @@ def _growth(worker: WorkerMemory) -> int | None:
 
 
 #: A worker still grows when the later half of its readings gained this share of all it
-#: gained (copy-on-read is front-loaded: a shuffled read touches most pages early); judged
-#: from this many readings at least.
+#: gained (copy-on-read is front-loaded: a shuffled read touches most pages early), and no
+#: step between two readings made more than ``MAX_JUMP`` of it: a jump is one event, such as
+#: a full collection of the main process's garbage collector, whose writes to every object
+#: leave each worker the only one mapping the old pages; judged from this many readings at
+#: least.
 STILL_GROWING = 1 / 3
+MAX_JUMP = 0.5
 MIN_SHAPE_SAMPLES = 6
 
 
 def _still_growing(worker: WorkerMemory) -> bool | None:
-    """Whether the worker's private memory kept rising through its later readings; ``None``
-    with too few readings to tell."""
+    """Whether the worker's private memory kept rising, step by step, through its later
+    readings; ``None`` with too few readings to tell."""
     samples = worker.samples
     if len(samples) < MIN_SHAPE_SAMPLES:
         return None
-    first, middle, last = samples[0], samples[len(samples) // 2], samples[-1]
-    total = (last.private or 0) - (first.private or 0)
-    return total > 0 and (last.private or 0) - (middle.private or 0) >= STILL_GROWING * total
+    private = [s.private or 0 for s in samples]
+    total = private[-1] - private[0]
+    if total <= 0:
+        return False
+    later = private[-1] - private[len(private) // 2]
+    jump = max(b - a for a, b in itertools.pairwise(private))
+    return later >= STILL_GROWING * total and jump <= MAX_JUMP * total
 
 
 def _loaders(report: ReportData) -> dict[int, dict[int, list[WorkerMemory]]]:
@@ -65,12 +80,12 @@ def _judge(workers: list[WorkerMemory]) -> bool | None:
         return None
     objects = next((w.objects for w in workers if w.objects is not None), None)
     if objects is not None:
-        return max(growths) > max(PAST_OBJECTS * objects.bytes, objects.bytes + PAST_BYTES)
-    # Nothing a worker could copy on reading: judged by whether it still grows.
+        times = PAST_OBJECTS if workers[0].stores else PAST_OBJECTS_UNSTORED
+        return max(growths) > max(times * objects.bytes, objects.bytes + PAST_BYTES)
+    # Nothing a worker could copy on reading: a leak when it grows step by step, and no
+    # verdict otherwise (pages the main process wrote after the fork are its own cost).
     shapes = [_still_growing(w) for w in workers]
-    if any(shape is None for shape in shapes):
-        return None  # too few readings to tell a leak from a copy
-    return all(shapes)
+    return True if all(shapes) else None
 
 
 def _total(workers: list[WorkerMemory]) -> int:
@@ -97,8 +112,8 @@ def worker_memory(report: ReportData) -> list[Finding]:
 
 def _who(workers: list[WorkerMemory]) -> str:
     objects = workers[0].objects
-    over = (f"`{objects.name.rpartition('.')[0]}` ({workers[0].dataset})"
-            if objects is not None and "." in objects.name else f"`{workers[0].dataset}`")
+    over = (f"`{objects.dataset}` ({workers[0].dataset})"
+            if objects is not None and objects.dataset else f"`{workers[0].dataset}`")
     count = f"the {len(workers)} workers" if len(workers) > 1 else "the worker"
     return f"{count} of the DataLoader over {over}"
 
@@ -117,37 +132,32 @@ def _again(copied: list[list[WorkerMemory]], starts: int) -> str:
 
 def _copy_on_read(workers: list[WorkerMemory], copied: list[list[WorkerMemory]],
                   starts: int) -> Finding:
+    """The WASTE of a start of workers that copied the dataset's Python objects (judged only
+    where the dataset keeps some: see :func:`_judge`)."""
     growths = [_growth(w) or 0 for w in workers]
     objects = workers[0].objects
+    assert objects is not None
     total = sum(growths)
     message = (
         f"{_who(workers)} each copied up to {format_bytes(max(growths))} of this "
-        f"process's memory ({format_bytes(total)} in all) while reading the dataset"
+        f"process's memory ({format_bytes(total)} in all) while reading the dataset: "
+        f"`{objects.name}` is a {objects.kind} ({objects.items:,} items, about "
+        f"{format_bytes(objects.bytes)} of Python objects), and reading a Python object "
+        "writes its reference count, so each worker ends up with its own copy of the pages "
+        "it read (copy-on-read)"
     )
-    if objects is not None:
-        message += (
-            f": `{objects.name}` is a {objects.kind} ({objects.items:,} items, about "
-            f"{format_bytes(objects.bytes)} of Python objects), and reading a Python object "
-            "writes its reference count, so each worker ends up with its own copy of the "
-            "pages it read (copy-on-read)"
-        )
-        where = f"`{objects.name}`"
-    else:
-        message += (": reading a Python object writes its reference count, so each worker "
-                    "copies the pages of the dataset's objects it reads (copy-on-read)")
-        where = "the dataset's samples"
     message += _again(copied, starts)
     fix = (
-        f"keep {where} in NumPy arrays or tensors, one per field (numbers in a numeric "
-        "array, strings in a fixed-width array or as offsets into one bytes buffer), or in "
-        "a memory map (`np.memmap`, Arrow), which workers share without copying; with "
-        f"{len(workers)} workers this costs {format_bytes(total)}, and fewer workers "
-        "cost less"
+        f"keep `{objects.name}` in NumPy arrays or tensors, one per field (numbers in a "
+        "numeric array, strings in a fixed-width array or as offsets into one bytes buffer), "
+        "or in a memory map (`np.memmap`, Arrow), which workers share without copying; with "
+        f"{len(workers)} workers this costs {format_bytes(total)}, and fewer workers cost "
+        "less; gc.freeze() just before the loader starts its workers also keeps this "
+        "process's garbage collector from unsharing the pages"
     )
     return Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
                    bytes=total, objects=len(workers),
-                   subject=Subject(SubjectKind.HOLDER, objects.name if objects else
-                                   workers[0].dataset))
+                   subject=Subject(SubjectKind.HOLDER, objects.name))
 
 
 def _leak(workers: list[WorkerMemory], leaked: int, starts: int) -> Finding:
@@ -159,21 +169,34 @@ def _leak(workers: list[WorkerMemory], leaked: int, starts: int) -> Finding:
         f"private memory in {seconds:.0f} s ({format_bytes(sum(growths))} in all), "
     )
     if objects is not None:
-        message += (f"more than a copy of the dataset's Python objects would take "
-                    f"(`{objects.name}`, about {format_bytes(objects.bytes)})")
+        message += (f"more than a copy of the dataset's Python objects explains "
+                    f"(`{objects.name}`: about {format_bytes(objects.bytes)} a worker at most)")
     else:
         message += ("still growing through the later half of the run, and the dataset keeps "
                     "no container of Python objects that reading could copy")
     message += ": the workers keep what they make"
+    stores = workers[0].stores
+    if stores:
+        named = ", ".join(f"`{s.name}` ({s.location})" for s in stores[:3])
+        message += (f"; `{stores[0].location.function}` adds to {named}, which each worker "
+                    "fills in its own copy of the dataset")
     if starts > 1:
         message += (f"; the loader started new workers for each of {starts} passes over its "
                     f"data, and those of {leaked} grew so")
-    fix = (
-        "look in the dataset's `__getitem__` and the collate function for what they keep "
-        "across calls (a cache dict filled per index, tensors appended to an attribute); "
-        "each worker has its own copy of the dataset object, so such a cache grows in "
-        "every worker and is never seen by the main process"
-    )
+    if stores:
+        fix = (f"drop what `{stores[0].name}` keeps, or bound it (functools.lru_cache("
+               "maxsize=...) on a loading function, a dict emptied past a size); to cache every "
+               "sample, fill the cache in the main process before the workers start, as "
+               "arrays, so that they share it")
+    else:
+        fix = (
+            "look in the dataset's `__getitem__` and the collate function for what they keep "
+            "across calls (a cache dict filled per index, tensors appended to an attribute); "
+            "each worker has its own copy of the dataset object, so such a cache grows in "
+            "every worker and is never seen by the main process"
+        )
     return Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
                    bytes=sum(growths), objects=len(workers),
-                   subject=Subject(SubjectKind.HOLDER, workers[0].dataset))
+                   subject=Subject(SubjectKind.HOLDER, stores[0].name if stores
+                                   else workers[0].dataset),
+                   location=stores[0].location if stores else None)
