@@ -144,6 +144,17 @@ def test_a_dataset_of_dicts_is_skipped_in_bulk_unless_a_tensor_is_in_it() -> Non
     assert not only_atoms([*records, {"nested": {"deeper": [torch.ones(2)]}}])
 
 
+def test_a_chat_dataset_three_levels_deep_is_skipped_in_bulk() -> None:
+    # ShareGPT-style records, as fine-tuning scripts json.load() them: a census used to walk
+    # these one by one until its time ran out (0.5 s a census on 100,000 records).
+    records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q {i}"},
+                                                   {"from": "gpt", "value": f"a {i}"}]}
+               for i in range(5_000)]
+    assert only_atoms(records)
+    turn = {"from": "gpt", "value": "a", "ids": torch.ones(2)}
+    assert not only_atoms([*records, {"id": "x", "conversations": [turn]}])
+
+
 def test_a_buffer_that_keeps_graphs_in_its_records_is_named() -> None:
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

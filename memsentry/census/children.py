@@ -105,7 +105,7 @@ def only_atoms(obj: Any) -> bool:
             return True
         if isinstance(obj, dict) or not kinds <= _RECORDS | _ATOM_TYPES:
             return False
-        return _plain_values(_fields_of(iter(_sample(obj))))
+        return _plain_values(_fields_of(iter(_sample(obj)), depth=3))
     except Exception:  # changed size while read: walk it item by item
         return False
 
@@ -133,7 +133,8 @@ def _sample(obj: Any) -> list[Any]:
 
 def _fields_of(records: Iterator[Any], depth: int = 2) -> list[Any]:
     """The fields of ``records``, and of the lists, tuples and dicts among them, ``depth``
-    levels down (a dataset's ``{"features": [0.1, ...], "label": 3}``)."""
+    levels down (a dataset's ``{"features": [0.1, ...], "label": 3}``; a chat dataset's
+    ``{"id": "a1", "conversations": [{"from": "human", "value": "..."}, ...]}``, three)."""
     fields = list(itertools.chain.from_iterable(
         itertools.chain(record, record.values()) if type(record) is dict else record
         for record in records))
