@@ -393,3 +393,47 @@ def test_the_oom_sample_dies_with_a_post_mortem(
     (fix,) = [f for f in oom.fixes if f.kind == "batch"]
     assert fix.batch is not None and 256 < fix.batch < 4194304
     assert "the iterations before ran batches of 256" in fix.text
+
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: memsentry {argv[0]} ")  # the subcommand's usage
+    return " ".join(err.split())
+
+
+def test_a_mistyped_option_gets_the_subcommands_usage_and_a_suggestion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    err = _refused(["run", "--jsn", "r.json", str(SAMPLES / "toy.py")], capsys)
+    assert "memsentry run: error: unrecognized arguments: --jsn (--jsn: did you mean --json?)" \
+        in err
+    err = _refused(["show", "--wdth", "80", "r.json"], capsys)
+    assert "did you mean --width?" in err
+
+
+def test_the_scripts_options_before_its_name_are_put_after_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    script = str(SAMPLES / "train_leaky.py")
+    err = _refused(["run", "--exact", "--steps", "5", "--json", "r.json", script, "--batch",
+                    "8"], capsys)
+    assert ("memsentry's options go before the script's name, the script's own after it: "
+            f"memsentry run --exact --json r.json {script} --steps 5 --batch 8") in err
+    err = _refused(["run"], capsys)
+    assert ("memsentry run: error: name the script to run: memsentry run script.py [its "
+            "arguments] (or -m module)") in err
+
+
+def test_a_script_that_exits_in_its_own_argument_parsing_gets_no_report(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    script = str(SAMPLES / "train_leaky.py")
+    assert main(["run", script, "--help"]) == 0
+    captured = capsys.readouterr()
+    assert "usage: train_leaky.py" in captured.out
+    assert "memsentry report" not in captured.out
+    assert "before any module ran; there is no report" in captured.err
+    assert main(["run", script, "--stepz", "3"]) == 2  # argparse's own status
+    captured = capsys.readouterr()
+    assert "unrecognized arguments: --stepz 3" in captured.err
+    assert "memsentry report" not in captured.out

@@ -178,9 +178,10 @@ def test_run_and_show_write_the_page(tmp_path: Path, capsys: pytest.CaptureFixtu
     code = main(["run", "--json", "r.json", "--html", "r.html",
                  str(REPO / "samples" / "train_leaky.py"), "--steps", "6", "--batch", "16",
                  "--device", "cpu"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert code == 0
-    assert "HTML report written to r.html" in out
+    assert "HTML report written to r.html" in captured.err  # standard output: reports only
+    assert "HTML report written" not in captured.out
     page = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert "running_loss" in page and "val_logits" in page
     assert main(["show", "r.json", "--html", "again.html"]) == 0

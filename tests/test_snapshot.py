@@ -378,10 +378,10 @@ def test_run_writes_a_snapshot_of_the_leaky_sample(
     script = SAMPLES / "train_leaky.py"
     code = main(["run", "--snapshot", str(path), str(script), "--steps", "5", "--batch", "16",
                  "--device", "cpu"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     assert code == 0
-    assert "memsentry: cpu (cpu-storages" in out  # --snapshot implied --exact
-    assert f"memsentry: memory_viz snapshot written to {path} (" in out
+    assert "memsentry: cpu (cpu-storages" in captured.out  # --snapshot implied --exact
+    assert f"memsentry: memory_viz snapshot written to {path} (" in captured.err
     data = load(path)
     torch_reads(data)
     replay(data)

@@ -10,8 +10,11 @@ and ``run(args) -> exit code``.
 from __future__ import annotations
 
 import argparse
+import difflib
+import shlex
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from memsentry.cli import diff, info, run, show
 from memsentry.version import __version__
@@ -50,22 +53,97 @@ _COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None],
 }
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its errors come with its own usage, in words that say what to
+    do (``memsentry run`` without a script asks for one)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required: script"):
+            message = (f"name the script to run: {self.prog} script.py [its arguments] "
+                       "(or -m module)")
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memsentry",
         description="Find PyTorch memory leaks and say what holds the memory.",
     )
     parser.add_argument("--version", action="version", version=f"memsentry {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
     for name, (summary, description, prepare, _run) in _COMMANDS.items():
         prepare(sub.add_parser(name, help=summary, description=description))
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[command]
+            return found
+    raise KeyError(command)
+
+
+def unknown_options(command: argparse.ArgumentParser, extra: list[str], argv: list[str]
+                    ) -> str:
+    """What to say of options the subcommand does not know: the closest of its own
+    (``--jsn``: did you mean ``--json``?), and for ``run``, that the script's options go
+    after the script, with the command line put right when the script can be told."""
+    known = [option for option in command._option_string_actions if option.startswith("--")]
+    options = [word for word in extra if word.startswith("-")]
+    hints = []
+    for option in options:
+        close = difflib.get_close_matches(option.split("=")[0], known, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{option}: did you mean {close[0]}?")
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if hints:
+        return f"{message} ({'; '.join(hints)})"
+    if command.prog.endswith(" run"):
+        message += ("; memsentry's options go before the script's name, the script's own "
+                    "after it")
+        fixed = _script_options_after(command, argv)
+        if fixed is not None:
+            message += f": memsentry {' '.join(map(shlex.quote, fixed))}"
+    return message
+
+
+def _script_options_after(command: argparse.ArgumentParser, argv: list[str]
+                          ) -> list[str] | None:
+    """``argv`` with the options before the script that ``run`` does not know
+    (``run --steps 5 s.py``) moved after it, with their values (``run s.py --steps 5``);
+    ``None`` when no argument names a ``.py`` file."""
+    words = argv[argv.index("run") + 1:] if "run" in argv else []
+    script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    if script is None:
+        return None
+    actions = command._option_string_actions
+    before: list[str] = []
+    moved: list[str] = []
+    taking: list[str] | None = None  # where the next word goes: the value of an option
+    for word in words[:script]:
+        if taking is not None and not word.startswith("-"):
+            taking.append(word)
+            taking = None
+            continue
+        action = actions.get(word.split("=")[0])
+        target = before if action is not None else moved
+        target.append(word)
+        takes = action is None or action.nargs != 0
+        taking = target if takes and "=" not in word else None
+    return ["run", *before, words[script], *moved, *words[script + 1:]]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``memsentry`` command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(words)
+    if extra:
+        command = _subparser(parser, args.command)
+        command.error(unknown_options(command, extra, words))
     return _COMMANDS[args.command][3](args)
 
 

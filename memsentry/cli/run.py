@@ -213,10 +213,16 @@ class _Run:
         self._finish(Outcome(ending.status if isinstance(ending, Exited) else 1, ending))
 
     def _finish(self, outcome: Outcome) -> int:
-        """Stop tracking, show how the script ended as python would, then the report."""
+        """Stop tracking, show how the script ended as python would, then the report (none
+        when the script exited before any module ran: its own ``--help``, a bad argument)."""
         error = outcome.error
         if error is None or isinstance(error, SystemExit):
             self.tracker.stop(None)
+            if isinstance(error, SystemExit) and _parsing(error) \
+                    and _nothing_ran(self.tracker.report()):
+                _say(f"memsentry run: the script exited (status {outcome.status}) before any "
+                     "module ran; there is no report", sys.stderr)
+                return outcome.status
         else:  # stop() while knowing the error explains an out-of-memory error
             self.tracker.stop(error)
             if not isinstance(error, Stopped | Exited):
@@ -262,6 +268,27 @@ class _Run:
         return code
 
 
+#: Argument parsers whose exit (``--help``, a bad option) ends a script before it starts.
+_PARSERS = ("argparse.py", "optparse.py", "/click/", "/typer/", "/absl/flags/", "/fire/")
+
+
+def _parsing(error: SystemExit) -> bool:
+    """Whether ``error`` was raised by an argument parser (the script's ``--help``)."""
+    trace = error.__traceback__
+    while trace is not None:
+        name = trace.tb_frame.f_code.co_filename.replace("\\", "/")
+        if name.endswith(_PARSERS[:2]) or any(part in name for part in _PARSERS[2:]):
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def _nothing_ran(report: Report) -> bool:
+    """Whether tracking saw no module call and no optimizer step."""
+    return not report.layers and not any(it.forward_calls for it in report.iterations) \
+        and not any(it.boundary == "optimizer" for it in report.iterations)
+
+
 def _save_snapshot(args: argparse.Namespace, tracker: Tracker, rank: int, code: int) -> int:
     """``--snapshot FILE``: write the memory_viz snapshot (each rank but 0 to its own
     ``FILE.rankN``) and say where; 2 (after saying why) when it cannot."""
@@ -269,7 +296,7 @@ def _save_snapshot(args: argparse.Namespace, tracker: Tracker, rank: int, code: 
 
     path = args.snapshot if rank == 0 else rank_file(args.snapshot, rank)
     try:
-        print(f"memsentry: {snapshot_saved(tracker, path)}")
+        print(f"memsentry: {snapshot_saved(tracker, path)}", file=sys.stderr)
     except (OSError, ValueError, MemsentryError) as error:
         fail("run", f"--snapshot: could not write {path!r} ({reason(error)})")
         return code or 2
@@ -323,12 +350,13 @@ def _say(text: str, stream: TextIO | None = None) -> None:
 
 
 def write_html(report: Report, path: str, command: str) -> int:
-    """Save the HTML report to ``path`` and say where; 2 (after saying why) when it cannot."""
+    """Save the HTML report to ``path`` and say where, on standard error (standard output
+    carries reports only); 2 (after saying why) when it cannot."""
     from memsentry.cli.files import html_saved
     from memsentry.reporters.plotly import ChartsUnavailable
 
     try:
-        print(f"memsentry: {html_saved(report, path)}")
+        print(f"memsentry: {html_saved(report, path)}", file=sys.stderr)
     except (OSError, ChartsUnavailable) as error:
         return fail(command, f"--html: could not write {path!r} ({reason(error)})")
     return 0
