@@ -99,7 +99,7 @@ def _follow(iterator: Any) -> None:
         objects = dataset_objects(dataset, sys._getframe(2))
     except Exception:  # a dataset whose attributes cannot be read: named by its class only
         objects = None
-    stores = dataset_stores(dataset)
+    stores = tuple(DatasetStore(name, line) for name, line in dataset_stores(dataset))
     with _lock:
         number, epoch = _number(dataset)
         _loaders[iterator] = number

@@ -11,12 +11,13 @@ from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 from memsentry.model import (
+    Boundary,
     Finding,
+    IterationStats,
     LayerStats,
     Measured,
     ReportData,
     Severity,
-    complete,
     growth_per_iteration,
 )
 from memsentry.model.diff import (
@@ -40,14 +41,23 @@ from memsentry.units import format_bytes
 FAILING_SEVERITIES = frozenset({Severity.LEAK, Severity.WASTE})
 
 
+def _count(iterations: tuple[IterationStats, ...]) -> int:
+    """The iterations a boundary closed, from the indices: those thinned out of the timeline
+    and those a light run passed with a count only are counted too (the partial iteration at
+    the end carries the index after the last complete one)."""
+    if not iterations:
+        return 0
+    last = iterations[-1]
+    return last.index if last.boundary == Boundary.EXIT else last.index + 1
+
+
 def summarise(report: ReportData, label: str) -> RunSummary:
     """What a diff reads of ``report``."""
-    closed = complete(report.iterations)
     return RunSummary(
         label=label, device=report.device, backend=report.backend, measured=report.measured,
         peak_mode=report.peak_mode, torch_version=report.torch_version, peak=report.peak,
         growth=growth_per_iteration(report.iterations, warmup=WARMUP),
-        iterations=len(closed) + report.dropped_iterations, parts=report.breakdown.peak,
+        iterations=_count(report.iterations), parts=report.breakdown.peak,
         timeline=tuple(report.iterations),  # drawn whole: the end of a run may hold its peak
     )
 

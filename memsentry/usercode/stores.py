@@ -14,7 +14,6 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from memsentry.model.processes import DatasetStore
 from memsentry.usercode.lines import _GROWING_METHODS, mtime, parse, short_path
 from memsentry.usercode.location import Location
 
@@ -72,11 +71,12 @@ def _tree_of(method: Any) -> tuple[str, ast.AST] | None:
     return None
 
 
-def dataset_stores(dataset: Any) -> tuple[DatasetStore, ...]:
+def dataset_stores(dataset: Any) -> tuple[tuple[str, Location], ...]:
     """The attributes of ``dataset`` that its ``__getitem__`` (or a method of its own that
-    it calls) adds to, each once, at the first line that does, in the order read."""
+    it calls) adds to, as the code spells them (``self.cache``), each once, with the first
+    line that does, in the order read."""
     cls = type(dataset)
-    found: dict[str, DatasetStore] = {}
+    found: dict[str, tuple[str, Location]] = {}
     queue = [name for name in ENTRIES if callable(getattr(cls, name, None))]
     done: set[str] = set()
     while queue:
@@ -87,8 +87,8 @@ def dataset_stores(dataset: Any) -> tuple[DatasetStore, ...]:
             continue
         path, function = read
         for attribute, line in _stores(function):
-            found.setdefault(attribute, DatasetStore(f"self.{attribute}",
-                                                     Location(short_path(path), line, name)))
+            found.setdefault(attribute, (f"self.{attribute}",
+                                         Location(short_path(path), line, name)))
         if name in ENTRIES:  # one level down: the methods __getitem__ calls
             queue += sorted(_called_methods(function) - done - set(queue))
     return tuple(found.values())
