@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from memsentry.record.workers import fetched, reset
+from memsentry.record.workers import fetched, reset, starting
 
 _lock = threading.Lock()
 _users = 0
@@ -37,6 +37,11 @@ def _iterator_classes() -> list[type]:
 
 def _timed(original: Callable[..., Any], workers: bool) -> Callable[..., Any]:
     def _next_data(self: Any) -> Any:
+        if workers:
+            try:
+                starting(self)  # a new iterator's workers: their baseline, not in the wait
+            except Exception:
+                pass
         began = time.perf_counter()
         try:
             data = original(self)

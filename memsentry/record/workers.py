@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,14 +76,22 @@ def reset() -> None:
         _due, _counted = 0.0, 0
 
 
+def starting(iterator: Any) -> None:
+    """A loader's iterator is about to fetch a batch: a new one's workers are followed from
+    now and read at once, their baseline, before they have read much of the dataset (they
+    started when the iterator was made, a moment ago)."""
+    if iterator not in _loaders:
+        _follow(iterator, sys._getframe(1))  # the fetch's frame: the loop's are outside it
+        sample()
+
+
 def fetched(iterator: Any) -> None:
-    """A loader's iterator fetched a batch: its workers are followed from now, and a round of
-    readings is taken at once, then when one is due, and at the epoch's last batch (workers
-    that do not persist are shut down before the loop sees the epoch end)."""
-    new = iterator not in _loaders
-    if new:
-        _follow(iterator)  # and read its workers now: their first reading is the baseline
-    if new or time.perf_counter() >= _due or _last_batch(iterator):
+    """A loader's iterator fetched a batch: a round of readings is taken when one is due,
+    and at the epoch's last batch (workers that do not persist are shut down before the loop
+    sees the epoch end)."""
+    if iterator not in _loaders:
+        starting(iterator)  # followed from its first fetch on (a tracker began in the epoch)
+    elif time.perf_counter() >= _due or _last_batch(iterator):
         sample()
 
 
@@ -93,10 +102,10 @@ def _last_batch(iterator: Any) -> bool:
         return False
 
 
-def _follow(iterator: Any) -> None:
+def _follow(iterator: Any, frame: types.FrameType) -> None:
     dataset = getattr(iterator, "_dataset", None)
     try:
-        objects = dataset_objects(dataset, sys._getframe(2))
+        objects = dataset_objects(dataset, frame)
     except Exception:  # a dataset whose attributes cannot be read: named by its class only
         objects = None
     stores = tuple(DatasetStore(name, line) for name, line in dataset_stores(dataset))
