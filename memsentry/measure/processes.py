@@ -37,15 +37,20 @@ def _fields(text: str) -> dict[str, int]:
     return values
 
 
+def _statm_resident(text: bytes) -> int:
+    """The resident bytes in the text of a ``statm`` file (its second field, in pages)."""
+    return int(text.split()[1]) * _PAGE
+
+
 def read_resident(pid: int) -> ProcessMemory | None:
     """Only the resident size of process ``pid``, from ``/proc/<pid>/statm`` (a few
     microseconds: no walk of the page tables), or ``None``."""
     try:
-        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
-            pages = int(statm.read().split()[1])
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            resident = _statm_resident(statm.read())
     except (OSError, ValueError, IndexError):
         return None
-    return ProcessMemory(pages * _PAGE, None, None)
+    return ProcessMemory(resident, None, None)
 
 
 def read_process(pid: int) -> ProcessMemory | None:
@@ -85,7 +90,7 @@ class ResidentReader:
             if self._fd is None or self._pid != pid:
                 self.close()
                 self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), pid
-            return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+            return _statm_resident(os.pread(self._fd, 128, 0))
         except (OSError, ValueError, IndexError):
             self._missing = True
             self.close()

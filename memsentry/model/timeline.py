@@ -96,8 +96,15 @@ def growth_per_iteration(
     after the first ``warmup``; ``None`` when fewer than ``at_least`` remain, or when they
     share one index (a report edited by hand: no slope)."""
     its = complete(iterations, skip=warmup)
-    if len(its) < max(at_least, 2) or len({it.index for it in its}) < 2:
+    if len(its) < at_least:
         return None
-    return statistics.linear_regression(
-        [float(it.index) for it in its], [float(it.allocated) for it in its]
-    ).slope
+    return slope([(it.index, it.allocated) for it in its])
+
+
+def slope(points: Sequence[tuple[int, int]]) -> float | None:
+    """Least-squares slope of (iteration, bytes) ``points``, per iteration; ``None`` with
+    fewer than two, or when they share one index (a report edited by hand: no slope)."""
+    if len(points) < 2 or len({index for index, _ in points}) < 2:
+        return None
+    return statistics.linear_regression([float(i) for i, _ in points],
+                                        [float(v) for _, v in points]).slope

@@ -80,11 +80,12 @@ class IterationClock:
     def close(self, boundary: Boundary, allocated: int, reserved: int | None, peak: int,
               now: float, parts: Breakdown | None = None) -> IterationStats:
         """The record of the iteration ending now."""
+        resident, blocks = self.resident()
         return IterationStats(
             index=self.index, allocated=allocated, reserved=reserved, peak=peak,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
             data_seconds=self.data_seconds(), batch=self.batch, parts=parts,
-            resident=self._resident.read(), python_blocks=sys.getallocatedblocks(),
+            resident=resident, python_blocks=blocks,
         )
 
     def resident(self) -> tuple[int | None, int]:

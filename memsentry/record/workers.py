@@ -86,12 +86,10 @@ def starting(iterator: Any) -> None:
 
 
 def fetched(iterator: Any) -> None:
-    """A loader's iterator fetched a batch: a round of readings is taken when one is due,
-    and at the epoch's last batch (workers that do not persist are shut down before the loop
-    sees the epoch end)."""
-    if iterator not in _loaders:
-        starting(iterator)  # followed from its first fetch on (a tracker began in the epoch)
-    elif time.perf_counter() >= _due or _last_batch(iterator):
+    """A loader's iterator fetched a batch (:func:`starting` followed it before): a round of
+    readings is taken when one is due, and at the epoch's last batch (workers that do not
+    persist are shut down before the loop sees the epoch end)."""
+    if time.perf_counter() >= _due or _last_batch(iterator):
         sample()
 
 

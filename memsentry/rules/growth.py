@@ -12,7 +12,7 @@ from memsentry.model import (
     SubjectKind,
 )
 from memsentry.rules.registry import rule
-from memsentry.rules.resident import objects_note, resident_growth
+from memsentry.rules.resident import PILE_UP_FIX, python_values, resident_growth
 from memsentry.rules.series import (
     MIN_CENSUSES,
     WARMUP,
@@ -48,12 +48,9 @@ def _reachable_growth(report: ReportData) -> tuple[float, int] | None:
 def _not_tensors(message: str, its: list[IterationStats], rate: float) -> tuple[str, str]:
     """The heap grows and tensors do not: the message's end and the fix, with Python's
     small objects named when they grow enough to be the source."""
-    objects = objects_note(its, rate)
+    objects = python_values(its, rate)
     if objects is not None:
-        return (f"{message}, while {objects}: Python values pile up, not tensors",
-                "look for a list, dict or log that gets entries every step and is never "
-                "cleared (a history of metrics, records kept by a callback); keep a running "
-                "summary instead, or write the entries to disk")
+        return f"{message}, while {objects}, not tensors", PILE_UP_FIX
     return (f"{message}: the growth is not tensor memory memsentry can see (allocator "
             "bookkeeping, library caches, C objects), or tensors held where no Python "
             "reference leads",

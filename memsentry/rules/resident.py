@@ -37,24 +37,29 @@ def _rate(its: Sequence[IterationStats], figure: str) -> float:
     return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
 
 
-def objects_note(its: Sequence[IterationStats], rate: float) -> str | None:
+#: The fix when Python values pile up.
+PILE_UP_FIX = ("look for a list, dict or log that gets entries every step and is never cleared "
+               "(a history of metrics, a cache keyed by input, records kept by a callback); "
+               "keep a running summary instead, or write the entries to disk")
+
+
+def python_values(its: Sequence[IterationStats], rate: float) -> str | None:
     """What Python's small-object blocks say of a growth of ``rate`` bytes per iteration over
-    ``its``: a clause naming them when they grow enough to be its source, else ``None``."""
+    ``its``: a clause naming them when they grow enough to be its source (use it with
+    :data:`PILE_UP_FIX`), else ``None``."""
     blocks = _rate(its, "python_blocks")
     if blocks * BLOCK_BYTES < MIN_OBJECTS_SHARE * rate:
         return None
     return (f"Python's small objects grew by {blocks:,.0f} per iteration (numbers, strings, "
-            "tuples, small lists and dicts: each takes 16 to 512 bytes)")
+            "tuples, small lists and dicts: each takes 16 to 512 bytes): Python values pile "
+            "up")
 
 
 def _source(report: ReportData, its: Sequence[IterationStats], rate: float) -> tuple[str, str]:
     """(what the readings say of the source, the fix)."""
-    objects = objects_note(its, rate)
+    objects = python_values(its, rate)
     if objects is not None:
-        return (f"{objects}: Python values pile up",
-                "look for a list, dict or log that gets entries every step and is never "
-                "cleared (a history of metrics, a cache keyed by input, records kept by a "
-                "callback); keep a running summary instead, or write the entries to disk")
+        return objects, PILE_UP_FIX
     heap = (" nor in the C heap (malloc)" if report.measured == Measured.HEAP else "")
     return (f"the growth is not in Python's small objects{heap}: memory the process maps "
             "itself (files, a library's own pool, thread stacks), or a C heap that "
@@ -93,4 +98,4 @@ def resident_growth(report: ReportData, its: list[IterationStats]) -> list[Findi
                     iteration=last.index)]
 
 
-__all__ = ["MIN_GROWTH", "objects_note", "resident_growth"]
+__all__ = ["MIN_GROWTH", "PILE_UP_FIX", "python_values", "resident_growth"]

@@ -4,7 +4,6 @@ censuses of the figures of one holder (or one module's hooks)."""
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,6 +21,7 @@ from memsentry.model import (
     spell,
 )
 from memsentry.model.places import until_subscript
+from memsentry.model.timeline import slope
 
 #: Iterations left out at the start: gradient buffers, optimizer state (Adam keeps two
 #: tensors per parameter) and allocator pools appear in the first steps.
@@ -285,13 +285,6 @@ def steady_growth(its: list[IterationStats]) -> tuple[float, float] | None:
     return steady_climb([(it.index, it.allocated) for it in its])
 
 
-def _slope(points: Sequence[tuple[int, int]]) -> float | None:
-    if len(points) < 2 or len({index for index, _ in points}) < 2:
-        return None
-    return statistics.linear_regression([float(i) for i, _ in points],
-                                        [float(v) for _, v in points]).slope
-
-
 def steady_climb(points: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
     """(bytes per iteration, share of rising steps) when the figures of ``points``
     (iteration, bytes), in order, grow steadily, else None (also with fewer than four): most
@@ -301,13 +294,13 @@ def steady_climb(points: Sequence[tuple[int, int]]) -> tuple[float, float] | Non
     values = [value for _, value in points]
     steps = [b - a for a, b in itertools.pairwise(values)]
     rising = sum(step > 0 for step in steps) / len(steps)
-    slope = _slope(points)
-    if slope is None or rising < MIN_RISING_SHARE or slope < MIN_RATE:
+    rate = slope(points)
+    if rate is None or rising < MIN_RISING_SHARE or rate < MIN_RATE:
         return None
     gained = sum(step for step in steps if step > 0)
     if values[-1] - values[0] < MIN_RETAINED_SHARE * gained:
         return None  # memory given back: a sawtooth or a bounded cache, not a climb
-    recent = _slope(points[-max(3, round(len(points) * RECENT_SHARE)):])
-    if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * slope):
+    recent = slope(points[-max(3, round(len(points) * RECENT_SHARE)):])
+    if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * rate):
         return None  # it grew, then stopped: a window or cache that filled up
-    return slope, rising
+    return rate, rising

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 
 #: Calls that grow a container in place.
-_GROWING_METHODS = frozenset(
+GROWING_METHODS = frozenset(
     {"append", "extend", "insert", "add", "update", "appendleft", "extendleft", "setdefault",
      "__setitem__", "put", "push", "log", "record"}
 )
@@ -55,7 +55,7 @@ def _tree(path: str) -> ast.Module | None:
     return parse(path, mtime(path))
 
 
-def _enclosing(tree: ast.Module, first_line: int | None) -> ast.AST:
+def enclosing(tree: ast.Module, first_line: int | None) -> ast.AST:
     """The function starting at ``first_line`` (a code object's ``co_firstlineno``, which
     counts decorators), or the whole module."""
     if first_line is None:
@@ -109,7 +109,7 @@ def _score(node: ast.AST, name: str) -> float:
                     return 3
                 return 0.5 if isinstance(value, _RESETS) and not _filled(value) else 1
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in _GROWING_METHODS and spells(node.func.value, name):
+        if node.func.attr in GROWING_METHODS and spells(node.func.value, name):
             return 3
     return 0
 
@@ -134,7 +134,7 @@ def _growth_line(path: str, mtime: float | None, name: str, function_line: int |
     tree = parse(path, mtime)
     if tree is None:
         return None
-    scope = _enclosing(tree, function_line)
+    scope = enclosing(tree, function_line)
     best, line = 0.0, None
     for node, function in walk_functions(scope, None):
         score: float = _score(node, name)

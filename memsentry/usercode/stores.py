@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from memsentry.usercode.lines import _GROWING_METHODS, mtime, parse, short_path
+from memsentry.usercode.lines import GROWING_METHODS, enclosing, mtime, parse, short_path
 from memsentry.usercode.location import Location
 
 #: The methods whose stores are looked for first.
@@ -41,7 +41,7 @@ def _stores(function: ast.AST) -> Iterator[tuple[str, int]]:
                 if name is not None:
                     yield name, node.lineno
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in _GROWING_METHODS):
+              and node.func.attr in GROWING_METHODS):
             name = _self_attribute(node.func.value)
             if name is not None:
                 yield name, node.lineno
@@ -63,12 +63,8 @@ def _tree_of(method: Any) -> tuple[str, ast.AST] | None:
     tree = parse(path, mtime(path)) if path else None
     if tree is None or path is None:
         return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            lines = [node.lineno, *(d.lineno for d in node.decorator_list)]
-            if first in lines:
-                return path, node
-    return None
+    function = enclosing(tree, first)
+    return None if function is tree else (path, function)
 
 
 def dataset_stores(dataset: Any) -> tuple[tuple[str, Location], ...]:
