@@ -31,15 +31,18 @@ class Report(ReportData):
         return cls(**{f.name: getattr(data, f.name) for f in fields(data)})
 
     def format(
-        self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100
+        self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100,
+        view: str = "full",
     ) -> str:
-        """The text report: findings, the per-layer table and the iteration summary.
+        """The text report: a one-line headline and the findings first, then the tables that
+        explain them (the header, the per-layer table, the iterations, the breakdown).
 
         ``max_depth`` hides layers nested deeper (the root is depth 0), ``top`` keeps the
         layers with the largest activation footprint (in call order), ``width`` is the
-        terminal width the table is fitted to. ``None`` turns a limit off.
+        terminal width the table is fitted to. ``None`` turns a limit off. ``view="findings"``
+        shows the headline and the findings alone.
         """
-        return TextReporter(max_depth=max_depth, top=top, width=width).text(self)
+        return TextReporter(max_depth=max_depth, top=top, width=width, view=view).text(self)
 
     def forecast(self, batch: int) -> Forecast:
         """The peak predicted at batch size ``batch`` (bytes, on the iterations table's

@@ -11,6 +11,7 @@ import enum
 import json
 import os
 import sys
+import textwrap
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -24,9 +25,8 @@ from torch import nn
 from memsentry.alarm import Alarm, LiveAlarm, finding_key, leak_text
 from memsentry.errors import LeakError, LeakWarning, TrackerStateError
 from memsentry.model import ReportData, Severity
-from memsentry.record import OVERHEAD, OnLeak, Options, Recorder
-from memsentry.record.options import SNAPSHOT_ENTRIES
-from memsentry.record.paths import unwritable
+from memsentry.paths import unwritable
+from memsentry.record import OnLeak, Options, Recorder
 from memsentry.record.ranks import RankInfo, begin_block, gather_limit, rank_info, share
 from memsentry.record.snapshot import SnapshotRecording, with_snapshot_options, write_snapshot
 from memsentry.report import Report
@@ -34,6 +34,7 @@ from memsentry.reporters.oom import oom_note
 from memsentry.rules import analyse
 from memsentry.rules.oom import explain_oom
 from memsentry.rules.ranks import combine
+from memsentry.settings import BY_NAME, OVERHEAD, SNAPSHOT_ENTRIES, WATCH_OVERHEAD, docstring
 
 
 class _State(enum.Enum):
@@ -111,24 +112,14 @@ def saved_snapshot(snapshot: SnapshotRecording, path: str | os.PathLike[str], *,
 
 def checked_alarm(alarm: object) -> Alarm | None:
     """``track(alarm=...)`` as given, or an error saying what it takes."""
-    if alarm is not None and not callable(alarm):
-        raise TypeError("track(alarm=...) takes a function called as alarm(message, leaks) "
-                        f"when a leak is established while the loop runs; got {alarm!r}")
-    return alarm
+    checked: Alarm | None = BY_NAME["alarm"].check(alarm)
+    return checked
 
 
 def checked_report_path(path: object) -> str | None:
     """``track(report_path=...)`` as a str, or an error saying what it takes."""
-    if path is None:
-        return None
-    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
-    if not isinstance(text, str) or not text:
-        raise TypeError("track(report_path=...) is the JSON file the report is kept in while "
-                        f"the run goes on (a str or os.PathLike); got {path!r}")
-    problem = unwritable(text)
-    if problem is not None:
-        raise ValueError(f"track(report_path={text!r}): {problem}")
-    return text
+    checked: str | None = BY_NAME["report_path"].check(path)
+    return checked
 
 
 def _outside(method: str) -> TrackerStateError:
@@ -145,47 +136,8 @@ class Tracker:
     :meth:`start` and :meth:`stop` (from a framework's callbacks); both remove every hook at
     the end and keep nothing alive.
 
-    ``model``: hook this module and its submodules; ``None`` hooks every module called.
-    ``device``: the device to measure; by default the model's (its first parameter), or,
-    without a model, CUDA's when the first module call is on CUDA, else the CPU.
-    ``exact``: on CPU, count every tensor storage through a dispatch mode (true peaks inside
-    ops, about 1.15x step time); on CUDA, reset the allocator's peak counter at every hook
-    (true per-layer peaks; ``torch.cuda.max_memory_allocated()`` then reads from memsentry's
-    last sample). ``saved_tensors``: attribute bytes saved for backward to layers (turn off
-    for code that refuses saved-tensor hooks, such as some ``torch.compile`` graphs).
-    ``backward``: measure each layer's backward. ``max_iterations``: timeline entries kept
-    before older ones are thinned out. ``on_leak``: what happens when a LEAK finding is made,
-    as soon as a census confirms it (:mod:`memsentry.alarm`) and at the end: ``"warn"`` (a
-    :class:`~memsentry.LeakWarning`, at the user's line while the loop runs, at the with-block
-    at the end), ``"raise"`` (a :class:`~memsentry.LeakError`, raised in the loop at the next
-    iteration boundary, or at the end unless the block is already raising) or ``"ignore"``.
-    ``holders``: search for who holds tensors at iteration boundaries; ``holder_budget``: the
-    seconds one search may take. ``overhead``: the share of the loop's own time everything
-    memsentry does may take (hooks, readings, censuses, the rules run while the loop runs;
-    default 0.04). Past it memsentry thins out: iterations are *light* (only their boundaries
-    read, no hook on any module), layers are measured in turn within the others, censuses
-    wait until the budget can pay for them; the report says so (``report.cost`` has the
-    ledger). ``None`` measures everything whatever it costs. ``gather_timeout``:
-    in a ``torch.distributed`` process group, the seconds rank 0 waits at the end for the
-    other ranks' reports, which its report then combines (no collective is involved).
-    ``snapshot``: record the allocation history for PyTorch's memory_viz
-    (https://pytorch.org/memory_viz): ``True`` keeps it for :meth:`snapshot`, a path (str or
-    ``os.PathLike``) also writes it there when tracking ends. On CUDA the caching allocator
-    records it; on the CPU the exact storage counter does, so ``snapshot`` turns ``exact`` on
-    where the device is the CPU (a note in the report says so). ``snapshot_entries``: the
-    trace entries kept, the oldest dropped (a CPU storage takes five: made and freed).
-    ``names``: objects a framework runs, each with the name its own methods spell it by and
-    what it is, as ``(name, object, role)``: ``("self", lightning_module, "LightningModule")``.
-    The holder search starts from them, so a list in ``self.step_losses`` is named so, with
-    the line in the class that fills it, not by the framework's path to it. Held weakly.
-    ``alarm``: called as ``alarm(message, leaks)`` in the loop's thread as soon as the census
-    that proves a leak is taken (instead of the warning ``on_leak="warn"`` gives then); an
-    error it raises is raised in the loop at the next iteration boundary, as ``on_leak=
-    "raise"`` does with a :class:`~memsentry.LeakError`. ``report_path``: a JSON file that
-    holds the report while the run goes on, rewritten atomically at every new finding and
-    every two minutes, and at the end: a run that is killed leaves its latest report.
-    ``watch``: the always-on mode (:func:`memsentry.watch`): censuses also when the memory
-    left at iteration boundaries climbs by 1 MiB since the last one.
+    ``model``: hook this module and its submodules; ``None`` hooks every module called. The
+    options follow (from :data:`memsentry.settings.SETTINGS`, where each is spelled once).
     """
 
     def __init__(
@@ -219,7 +171,7 @@ class Tracker:
             max_iterations=max_iterations, on_leak=on_leak, holders=holders,
             holder_budget=holder_budget, overhead=overhead, gather_timeout=gather_timeout,
             snapshot=snapshot, snapshot_entries=snapshot_entries, watch=watch,
-        )
+        )  # each checked as memsentry.settings.SETTINGS says
         self._options = with_snapshot_options(checked, model)
         self._snapshot = SnapshotRecording(self._options,
                                            exact_implied=self._options.exact != checked.exact)
@@ -388,12 +340,10 @@ class Tracker:
         return report
 
 
+Tracker.__doc__ = f"{Tracker.__doc__}\n{textwrap.indent(docstring(), '    ')}\n"
+
 #: ``memsentry.track(model)`` builds a :class:`Tracker`; the two names are one.
 track = Tracker
-
-#: The share of the loop's time ``watch()`` takes by default.
-WATCH_OVERHEAD = 0.01
-
 
 def watch(model: nn.Module | None = None, **options: Any) -> Tracker:
     """The always-on mode for long training: a :class:`Tracker` (use it as ``track()``'s)

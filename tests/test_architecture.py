@@ -13,7 +13,8 @@ PACKAGES = ("memsentry", "pytest_memsentry")
 
 #: The pipeline, bottom first: a module may import from its own layer's units and below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("memsentry.errors", "memsentry.units", "memsentry.version", "memsentry.usercode"),
+    ("memsentry.errors", "memsentry.units", "memsentry.version", "memsentry.usercode",
+     "memsentry.paths", "memsentry.settings"),
     ("memsentry.model",),
     ("memsentry.measure",),
     ("memsentry.census",),

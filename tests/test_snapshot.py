@@ -193,8 +193,8 @@ def torch_reads_bounded(data: dict[str, Any]) -> None:
      r"track\(snapshot='.*missing/s.pickle'\): the folder of .* does not exist; create it"),
     ({"snapshot": "."}, ValueError, r"'.*' is a directory; give a file name"),
     ({"snapshot": True, "snapshot_entries": 0}, ValueError,
-     r"track\(snapshot_entries=...\) is the number of memory_viz trace entries kept .* an "
-     r"int of at least 1 \(default 100,000\), got 0$"),
+     r"track\(snapshot_entries=...\) takes an int of at least 1 \(default 100000: the "
+     r"memory_viz trace entries kept, .*\); got 0$"),
     ({"snapshot_entries": True}, ValueError, r"got True$"),
 ])
 def test_bad_snapshot_arguments_are_refused_before_anything_runs(

@@ -27,13 +27,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def add_table_options(parser: argparse.ArgumentParser) -> None:
-    """``--top``, ``--depth`` and ``--width``: how the text report's layer table is shaped."""
+    """``--top``, ``--depth``, ``--width`` and ``--findings-only``: how the text report is
+    shaped."""
     parser.add_argument("--top", type=at_least(1), default=30,
                         help="layers shown in the table, largest footprint first (default 30)")
     parser.add_argument("--depth", type=at_least(0), default=None,
                         help="hide layers nested deeper than this (the root is depth 0)")
     parser.add_argument("--width", type=at_least(1), default=100,
                         help="terminal width the table is fitted to (default 100)")
+    parser.add_argument("--findings-only", dest="view", action="store_const", const="findings",
+                        default="full",
+                        help="print the headline and the findings (and an out-of-memory "
+                             "post-mortem) without the tables that explain them")
 
 
 def fail(command: str, message: str, code: int = 2) -> int:

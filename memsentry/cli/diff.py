@@ -82,7 +82,7 @@ def _write(path: str, text: str, option: str) -> str | None:
 
 def _outputs_problem(args: argparse.Namespace) -> str | None:
     """What stops the outputs asked for from being written, checked before reading."""
-    from memsentry.record.paths import unwritable  # memsentry.record imports torch
+    from memsentry.paths import unwritable  # memsentry.record imports torch
 
     for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html)):
         problem = unwritable(path) if path else None

@@ -14,6 +14,7 @@ from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end
 from memsentry.cli.files import reason
 from memsentry.cli.script import Outcome, Script, print_error
 from memsentry.errors import MemsentryError
+from memsentry.settings import BY_NAME, OVERHEAD, SETTINGS, WATCH_OVERHEAD, Flag
 from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
@@ -29,33 +30,29 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                              "(timeline, findings, layer table; needs memsentry[html])")
     parser.add_argument("-o", "--output", metavar="FILE",
                         help="write the text report to FILE instead of standard output")
-    parser.add_argument("--device",
-                        help="device to measure (default: the first module's device)")
-    parser.add_argument("--exact", action="store_true",
-                        help="exact peaks (CPU: count every storage, ~1.15x slower; CUDA: "
-                             "resets the allocator's peak counter)")
-    parser.add_argument("--snapshot", metavar="FILE",
-                        help="also save the allocation history as the pickle PyTorch's "
-                             "memory_viz opens (https://pytorch.org/memory_viz); on CPU it "
-                             "implies --exact")
+    for setting in SETTINGS:  # the options of track() that have a flag, as settings says
+        if setting.flag is not None:
+            _add_flag(parser, setting.flag)
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
                              "(e.g. 80GiB), from the batch sizes the run measured")
-    parser.add_argument("--watch", action="store_true",
-                        help="the always-on mode for long runs: memsentry keeps to 1%% of the "
-                             "loop's time (measuring layers in the iterations that budget "
-                             "pays for) and takes a census when the memory left at iteration "
-                             "boundaries climbs; a leak is said on stderr as soon as it is "
-                             "proven, and --json FILE holds the latest report while it runs")
-    parser.add_argument("--gather-timeout", metavar="SECONDS", type=_seconds, default=60.0,
-                        help="under torchrun: the seconds rank 0 waits at the end for the "
-                             "other ranks' reports (default 60; 10 once the job is being "
-                             "stopped by a signal)")
     add_table_options(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run SCRIPT as a module name, like python -m")
     parser.add_argument("script", help="the script to run (or the module name, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
+    """A track() option's flag: a switch, or a value checked as seconds (``SECONDS``)."""
+    text = flag.help.replace("%", "%%")
+    if flag.metavar is None:
+        parser.add_argument(flag.name, action="store_true", help=text)
+    elif flag.metavar == "SECONDS":
+        parser.add_argument(flag.name, metavar=flag.metavar, type=_seconds,
+                            default=BY_NAME[flag.name[2:].replace("-", "_")].default, help=text)
+    else:
+        parser.add_argument(flag.name, metavar=flag.metavar, help=text)
 
 
 def _seconds(text: str) -> float:
@@ -71,7 +68,7 @@ def _seconds(text: str) -> float:
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, before anything runs (each output file is checked
     too, so a long run never ends with its report lost)."""
-    from memsentry.record.paths import unwritable  # with torch: `run` is running
+    from memsentry.paths import unwritable  # with torch: `run` is running
 
     if args.module:
         import importlib.util
@@ -118,8 +115,7 @@ def fit_text(report: Report, size: str, width: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memsentry.record import OVERHEAD  # torch is imported for this command only
-    from memsentry.tracker import WATCH_OVERHEAD, Tracker
+    from memsentry.tracker import Tracker  # torch is imported for this command only
 
     problem = _check(args)
     if problem is not None:
@@ -318,7 +314,8 @@ def _output(args: argparse.Namespace, report: Report, code: int) -> int:
         except OSError as error:
             fail("run", f"--json: could not write {args.json!r} ({error.strerror})")
             code = code or 2
-    text = report.format(max_depth=args.depth, top=args.top, width=args.width)
+    text = report.format(max_depth=args.depth, top=args.top, width=args.width,
+                         view=args.view)
     if args.fit is not None:
         text += "\n\n" + fit_text(report, args.fit, args.width)
     banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
             return fail("show", f"--format html needs the plotly package: {INSTALL_HINT}")
         reporter = HtmlReporter()
     else:
-        reporter = TextReporter(max_depth=args.depth, top=args.top, width=args.width)
+        reporter = TextReporter(max_depth=args.depth, top=args.top, width=args.width,
+                                view=args.view)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             reporter.render(report, handle)

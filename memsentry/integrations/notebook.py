@@ -44,7 +44,7 @@ from torch import nn
 from memsentry.cli.files import html_saved, reason, snapshot_saved
 from memsentry.errors import LeakWarning, MemsentryError
 from memsentry.model import Finding
-from memsentry.record.paths import unwritable
+from memsentry.paths import unwritable
 from memsentry.report import Report
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 from memsentry.tracker import Tracker

@@ -14,24 +14,23 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from memsentry.alarm import leak_text, warn_at_user_line
 from memsentry.errors import LeakError, LeakWarning, MemsentryError
 from memsentry.model import Finding, Severity, growth_per_iteration
-from memsentry.record import ON_LEAK, OnLeak
-from memsentry.record.paths import unwritable
+from memsentry.paths import unwritable
+from memsentry.record import OnLeak
 from memsentry.report import Report
 from memsentry.rules.series import WARMUP
-from memsentry.tracker import WATCH_OVERHEAD, Tracker
+from memsentry.settings import ON_LEAK, SETTINGS, WATCH_OVERHEAD
+from memsentry.tracker import Tracker
 from memsentry.usercode.frames import is_machinery_frame
 
 #: Keyword arguments of ``track()`` a callback passes on; the rest it sets itself.
-TRACK_OPTIONS = frozenset({"device", "exact", "saved_tensors", "backward", "max_iterations",
-                           "holders", "holder_budget", "overhead", "gather_timeout",
-                           "snapshot", "snapshot_entries", "watch"})
+TRACK_OPTIONS = frozenset(setting.name for setting in SETTINGS if setting.framework)
 #: The scalars logged through the framework's loggers, by name.
 SCALARS = ("memsentry/peak_bytes", "memsentry/growth_bytes_per_iter", "memsentry/findings",
            "memsentry/leaks")
@@ -85,7 +84,7 @@ class TrainingSession:
         if on_leak not in ON_LEAK:
             raise ValueError(f"{who}(on_leak={on_leak!r}): use one of "
                              f"{', '.join(map(repr, ON_LEAK))}")
-        self.on_leak: OnLeak = on_leak
+        self.on_leak = cast(OnLeak, on_leak)
         unknown = sorted(set(options) - TRACK_OPTIONS)
         if unknown:
             raise TypeError(f"{who}() got unknown option(s) {', '.join(unknown)}; it takes "

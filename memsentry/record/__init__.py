@@ -9,9 +9,8 @@ the only mutable state of memsentry.
 ``schedule`` (when censuses run) and ``recorder`` (the shell that wires them).
 """
 
-from memsentry.record.coverage import OVERHEAD
-from memsentry.record.options import ON_LEAK, OnLeak, Options
+from memsentry.record.options import OnLeak, Options
 from memsentry.record.recorder import Recorder
 from memsentry.record.schedule import census_due
 
-__all__ = ["ON_LEAK", "OVERHEAD", "OnLeak", "Options", "Recorder", "census_due"]
+__all__ = ["OnLeak", "Options", "Recorder", "census_due"]

@@ -24,9 +24,8 @@ from memsentry.record.budget import DISPATCH, HOOKS, Budget
 
 __all__ = ["DISPATCH", "FLOOR", "FULL_FIRST", "OVERHEAD", "Coverage", "coverage_notes"]
 from memsentry.record.layers import LayerRegistry
+from memsentry.settings import OVERHEAD
 
-#: The share of the loop's own time memsentry may spend measuring layers, by default.
-OVERHEAD = 0.04
 #: Own time per iteration (seconds) that never makes the window shrink, whatever the share:
 #: a loop of small steps is measured in full.
 FLOOR = 2e-3

@@ -43,6 +43,18 @@ def pinned_line(pinned: PinnedMemory) -> str:
             "about prefetch_factor x num_workers batches)")
 
 
+def _share(value: int, total: int) -> str:
+    return f"{value / total:.0%}" if total else "-"
+
+
+def heap_at_start(report: ReportData, peak: Breakdown) -> int:
+    """Under the heap backend, the part of ``other`` that is the process's heap in use before
+    tracking began and not the parameters (which have their own row): 0 otherwise."""
+    if report.measured is not Measured.HEAP:
+        return 0
+    return max(0, min(peak.other, report.baseline - peak.parameters))
+
+
 def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     """The table and the pinned host memory; ``None`` when no iteration carries a breakdown
     and nothing was pinned."""
@@ -51,11 +63,14 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
         return None if report.pinned is None else textwrap.fill(pinned_line(report.pinned),
                                                                 width)
     index = next((it.index for it in report.iterations if it.parts is peak), None)
+    heap = heap_at_start(report, peak)
     rows = []
     for name in CATEGORIES:
-        value = peak.part(name)
-        rows.append([_LABELS[name], format_bytes(value),
-                     f"{value / peak.total:.0%}" if peak.total else "-"])
+        value = peak.part(name) - (heap if name == "other" else 0)
+        rows.append([_LABELS[name], format_bytes(value), _share(value, peak.total)])
+        if name == "other" and heap:
+            rows.insert(-1, ["process heap before tracking (not tensors)",
+                             format_bytes(heap), _share(heap, peak.total)])
     rows.append(["total", format_bytes(peak.total), ""])
     title = "Memory at the highest peak"
     if index is not None:
@@ -63,10 +78,17 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     lines = [title, tabulate(rows, tablefmt="plain", colalign=("left", "right", "right"),
                              disable_numparse=True)]
     lines.append("The layers' `of peak` column is each layer's saved bytes over this total.")
-    if report.measured is Measured.HEAP:
-        lines.append(f"`other` includes the rest of the process's heap, which glibc counts "
-                     f"with the tensors ({format_bytes(report.baseline)} when tracking began, "
-                     "parameters included).")
+    if heap:
+        lines.append("The CPU backend counts the whole process heap (glibc's mallinfo2), "
+                     f"tensors and everything else: of the {format_bytes(report.baseline)} in "
+                     "use when tracking began, what the parameters do not explain is shown "
+                     "apart; `other` is the rest (temporaries, inputs, and what the process "
+                     "allocated since). track(exact=True) counts tensor storages only.")
+    elif report.peak is not None and peak.total > report.peak:
+        lines.append(f"The total is above the allocated peak ({format_bytes(report.peak)}): "
+                     "the parts count storages made before tracking began (the model's "
+                     "parameters), which the allocated figures, counting what was made while "
+                     "tracking, leave out.")
     if peak.excess:
         lines.append(f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
                      "read: the peak fell between the moments they were read.")
@@ -76,4 +98,4 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
                      for line in lines)
 
 
-__all__ = ["layer_share", "pinned_line", "render_breakdown"]
+__all__ = ["heap_at_start", "layer_share", "pinned_line", "render_breakdown"]

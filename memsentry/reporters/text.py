@@ -19,6 +19,7 @@ from memsentry.model import (
     growth_per_iteration,
 )
 from memsentry.reporters.breakdown import layer_share, render_breakdown
+from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.processes import render_processes
 from memsentry.reporters.ranks import rank_line, render_ranks
@@ -227,8 +228,8 @@ def _process_line(report: ReportData) -> str | None:
     first, last = report.process[0], report.process[-1]
     line = (f"process resident at start {format_bytes(first.rss)}, now "
             f"{format_bytes(last.rss)} ({format_bytes(last.rss - first.rss, signed=True)})")
-    if report.resident_peak is not None:
-        line += f", highest ever {format_bytes(report.resident_peak)}"
+    if report.resident_peak is not None:  # read before the last reading: never below it
+        line += f", highest ever {format_bytes(max(report.resident_peak, last.rss))}"
     return line
 
 
@@ -249,20 +250,32 @@ def _nvml_line(nvml: dict[str, Any]) -> str:
     return line
 
 
+#: What the text report shows: everything (the findings first, then the tables that explain
+#: them), or the headline and the findings alone.
+VIEWS = ("full", "findings")
+
+
 def render_text(report: ReportData, *, max_depth: int | None = None, top: int | None = 30,
-                width: int = 100) -> str:
-    """The whole text report: header, findings, layers, iterations, notes. The watched
-    program's strings (module, holder and file names, messages) are written
-    :func:`~memsentry.usercode.text.printable`: a control character is an escape."""
+                width: int = 100, view: str = "full") -> str:
+    """The text report: a one-line headline, the out-of-memory post-mortem and the findings,
+    then (``view="full"``) the header, the ranks, the layers, the iterations, the breakdown,
+    the processes and the notes. The watched program's strings (module, holder and file
+    names, messages) are written :func:`~memsentry.usercode.text.printable`: a control
+    character is an escape."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}: use one of {', '.join(map(repr, VIEWS))}")
     report = printable_values(report)
-    sections = [render_header(report)]
+    sections = [textwrap.fill(headline(report), width, subsequent_indent="  ")]
     if report.oom is not None:
         sections.append(render_oom(report.oom, width=width))
+    if report.findings:
+        sections.append(render_findings(report, width=width))
+    if view == "findings":
+        return "\n\n".join(sections)
+    sections.append(render_header(report))
     ranks = render_ranks(report)
     if ranks is not None:
         sections.append(ranks)
-    if report.findings:
-        sections.append(render_findings(report, width=width))
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
     sections.append(render_iterations(report))
     breakdown = render_breakdown(report, width=width)
@@ -281,16 +294,20 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
 
 class TextReporter:
     """The report as text for a terminal: ``max_depth`` hides deeper layers, ``top`` keeps the
-    layers with the largest footprint, ``width`` is the width the tables are fitted to."""
+    layers with the largest footprint, ``width`` is the width the tables are fitted to,
+    ``view`` is ``"full"`` or ``"findings"`` (the headline and the findings alone)."""
 
     name = "text"
 
     def __init__(self, *, max_depth: int | None = None, top: int | None = 30,
-                 width: int = 100) -> None:
-        self.max_depth, self.top, self.width = max_depth, top, width
+                 width: int = 100, view: str = "full") -> None:
+        if view not in VIEWS:
+            raise ValueError(f"unknown view {view!r}: use one of {', '.join(map(repr, VIEWS))}")
+        self.max_depth, self.top, self.width, self.view = max_depth, top, width, view
 
     def text(self, report: ReportData) -> str:
-        return render_text(report, max_depth=self.max_depth, top=self.top, width=self.width)
+        return render_text(report, max_depth=self.max_depth, top=self.top, width=self.width,
+                           view=self.view)
 
     def render(self, report: ReportData, out: IO[str]) -> None:
         out.write(self.text(report) + "\n")

@@ -1,0 +1,66 @@
+"""The report's first line: what to do, before the tables that explain it.
+
+One line, in words a person reads at a glance at the end of a run: the leaks and wastes found,
+each named by the holder or module it is about and its line, the hints counted; or that the
+run died of running out of memory; or that nothing was found, with how far memory moved.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from memsentry.model import Finding, ReportData, Severity
+from memsentry.units import format_bytes
+
+#: Findings named in the headline at most; the others are counted.
+NAMED = 3
+
+_ORDER = (Severity.LEAK, Severity.WASTE, Severity.HINT)
+_WORDS = {Severity.LEAK: ("leak", "leaks"), Severity.WASTE: ("waste", "wastes"),
+          Severity.HINT: ("hint", "hints")}
+
+
+def _counted(counts: Counter[Severity]) -> str:
+    return ", ".join(f"{counts[s]} {_WORDS[s][counts[s] != 1]}" for s in _ORDER if counts[s])
+
+
+def _named(finding: Finding) -> str:
+    """```history` at quick.py:16 (tensor-accumulation)``."""
+    named = finding.subject is not None and bool(finding.subject.name)
+    text = f"`{finding.subject.name}`" if finding.subject is not None and named else ""
+    if finding.location is not None:
+        text += f" at {finding.location}"
+    if finding.rank is not None:
+        text += f" on rank {finding.rank}"
+    return f"{text.strip()} ({finding.rule})" if text else finding.rule
+
+
+def headline(report: ReportData) -> str:
+    """The one-line summary the text report starts with."""
+    counts = Counter(f.severity for f in report.findings)
+    serious = [f for f in report.findings if f.severity is not Severity.HINT]
+    parts = []
+    if report.oom is not None:
+        oom = report.oom
+        parts.append(f"out of memory in the {oom.where} (iteration {oom.iteration}); "
+                     "the post-mortem below says what held memory and what would have fit")
+    if serious:
+        named = "; ".join(_named(f) for f in serious[:NAMED])
+        more = len(serious) - NAMED
+        parts.append(f"{_counted(counts)}: {named}" + (f"; and {more} more" if more > 0 else ""))
+    elif counts:
+        rules = ", ".join(dict.fromkeys(f.rule for f in report.findings))
+        parts.append(f"no leak or waste found; {_counted(counts)} ({rules})")
+    elif report.oom is None:
+        parts.append("no finding" + _moved(report))
+    return "memsentry: " + "; ".join(parts)
+
+
+def _moved(report: ReportData) -> str:
+    if report.allocated is None:
+        return ""
+    change = format_bytes(report.allocated - report.baseline, signed=True)
+    return f" (allocated {change} since the start)"
+
+
+__all__ = ["headline"]
