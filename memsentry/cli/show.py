@@ -7,7 +7,7 @@ import sys
 
 from memsentry.cli.args import add_table_options, fail
 from memsentry.cli.files import read_report
-from memsentry.reporters import REPORTERS, HtmlReporter, JsonReporter, Reporter, TextReporter
+from memsentry.reporters import REPORTERS, HtmlReporter, TextReporter, make_reporter
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 
 
@@ -32,16 +32,10 @@ def run(args: argparse.Namespace) -> int:
         from memsentry.cli.run import write_html
 
         return write_html(report, args.html, "show")
-    reporter: Reporter
-    if args.format == JsonReporter.name:
-        reporter = JsonReporter()
-    elif args.format == HtmlReporter.name:
-        if not have_plotly():
-            return fail("show", f"--format html needs the plotly package: {INSTALL_HINT}")
-        reporter = HtmlReporter()
-    else:
-        reporter = TextReporter(max_depth=args.depth, top=args.top, width=args.width,
-                                view=args.view)
+    if args.format == HtmlReporter.name and not have_plotly():
+        return fail("show", f"--format html needs the plotly package: {INSTALL_HINT}")
+    table = {"max_depth": args.depth, "top": args.top, "width": args.width, "view": args.view}
+    reporter = make_reporter(args.format, **(table if args.format == TextReporter.name else {}))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             reporter.render(report, handle)

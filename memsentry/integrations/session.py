@@ -24,6 +24,7 @@ from memsentry.model import Finding, Severity, growth_per_iteration
 from memsentry.paths import unwritable
 from memsentry.record import OnLeak
 from memsentry.report import Report
+from memsentry.reporters import write_report
 from memsentry.rules.series import WARMUP
 from memsentry.settings import ON_LEAK, SETTINGS, WATCH_OVERHEAD
 from memsentry.tracker import Tracker
@@ -44,14 +45,7 @@ def epoch_path(path: str, epoch: int) -> str:
 
 def save_report(report: Report, path: str) -> None:
     """Write ``report`` to ``path`` as its suffix says: ``.json``, ``.html`` or text."""
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".json":
-        report.to_json(path)
-    elif suffix in (".html", ".htm"):
-        report.to_html(path)
-    else:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(str(report) + "\n")
+    write_report(report, path)
 
 
 def scalars(report: Report) -> dict[str, float]:

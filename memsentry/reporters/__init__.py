@@ -6,6 +6,7 @@ values (:mod:`memsentry.model`) and the foundation modules.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from memsentry.reporters.base import Reporter
@@ -31,4 +32,25 @@ def make_reporter(name: str, **options: Any) -> Reporter:
     return reporter
 
 
-__all__ = ["REPORTERS", "HtmlReporter", "JsonReporter", "Reporter", "TextReporter", "make_reporter"]
+#: The format a file's suffix asks for; any other suffix is text.
+SUFFIXES = {".json": JsonReporter.name, ".html": HtmlReporter.name, ".htm": HtmlReporter.name}
+
+
+def format_of(path: str | os.PathLike[str]) -> str:
+    """The format a report file's name asks for: ``.json``, ``.html`` (``.htm``), else text."""
+    return SUFFIXES.get(os.path.splitext(os.fspath(path))[1].lower(), TextReporter.name)
+
+
+def write_report(report: Any, path: str | os.PathLike[str], *, format: str | None = None,
+                 **options: Any) -> None:
+    """Write ``report`` to ``path`` in ``format`` (by default the one its suffix asks for),
+    through the registry's reporter; ``options`` go to a text reporter (``top``, ``width``,
+    ``view``, ...)."""
+    name = format or format_of(path)
+    reporter = make_reporter(name, **(options if name == TextReporter.name else {}))
+    with open(path, "w", encoding="utf-8") as handle:
+        reporter.render(report, handle)
+
+
+__all__ = ["REPORTERS", "SUFFIXES", "HtmlReporter", "JsonReporter", "Reporter", "TextReporter",
+           "format_of", "make_reporter", "write_report"]

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from memsentry.model import Finding, LayerStats, ReportData
-from memsentry.reporters.breakdown import layer_share, render_breakdown
+from memsentry.reporters.breakdown import render_breakdown
 from memsentry.reporters.charts import AT_MOST, ranks_figure, timeline_figure
+from memsentry.reporters.columns import LAYER_COLUMNS
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.plotly import plotly_js
 from memsentry.reporters.ranks import rank_line, render_ranks
@@ -26,22 +27,6 @@ from memsentry.units import format_bytes
 from memsentry.usercode.text import encodable
 
 _CODE = re.compile(r"`([^`]+)`")
-_LAYER_COLUMNS = (
-    # (heading, what it is, attribute or None, drawn with a bar)
-    ("layer", "module path (indented by depth)", None, False),
-    ("type", "module class", None, False),
-    ("calls", "forward calls", "calls", False),
-    ("params", "parameters of the module and its children", "param_bytes", False),
-    ("output", "storage of the tensors the forward returned", "output_bytes", False),
-    ("saved", "activations saved for backward (largest call)", "saved_bytes", True),
-    ("of peak", "saved bytes over the highest iteration peak", None, False),
-    ("fwd Δ", "allocated after the forward minus before", "forward_delta", False),
-    ("fwd peak", "highest allocated during the forward minus before", "forward_peak", True),
-    ("bwd Δ", "allocated after the backward minus before", "backward_delta", False),
-    ("bwd peak", "highest allocated during the backward minus before", "backward_peak", True),
-)
-
-
 def asset(name: str) -> str:
     return (importlib.resources.files("memsentry.reporters") / "assets" / name).read_text(
         encoding="utf-8")
@@ -131,17 +116,17 @@ def _parents(layers: Sequence[LayerStats]) -> list[int | None]:
 def _layer_cells(layer: LayerStats, report: ReportData, tops: dict[str, int]) -> str:
     peak = report.breakdown.peak
     cells = []
-    for heading, _about, attr, bar in _LAYER_COLUMNS[2:]:
-        if heading == "of peak":
-            share = layer_share(layer, peak)
+    for column in LAYER_COLUMNS[2:]:
+        attr = column.attr
+        if attr is None:  # the share of the peak
+            share = column.cell(layer, peak)
             order = (layer.saved_bytes or 0) if share != "-" else -1
             cells.append(f'<td data-v="{order}">{share}</td>')
             continue
-        assert attr is not None
         value = getattr(layer, attr)
-        shown = str(value) if attr == "calls" else format_bytes(value, compact=True)
+        shown = column.cell(layer, peak)
         drawn = ""
-        if bar and value and tops.get(attr):
+        if column.bar and value and tops.get(attr):
             width = max(1, round(100 * max(value, 0) / tops[attr]))
             drawn = f'<span class="bar" style="width:{width}%"></span>'
         sort = -1e30 if value is None else value
@@ -155,11 +140,11 @@ def _layers(report: ReportData) -> str:
     layers = report.layers
     parents = _parents(layers)
     has_children = {p for p in parents if p is not None}
-    tops = {attr: max((getattr(x, attr) or 0 for x in layers), default=0)
-            for _h, _a, attr, bar in _LAYER_COLUMNS if bar and attr}
+    tops = {c.attr: max((getattr(x, c.attr) or 0 for x in layers), default=0)
+            for c in LAYER_COLUMNS if c.bar and c.attr}
     head = "".join(
-        f'<th title="{html.escape(about)}" data-col="{i}">{html.escape(h)}</th>'
-        for i, (h, about, _attr, _bar) in enumerate(_LAYER_COLUMNS))
+        f'<th title="{html.escape(c.about)}" data-col="{i}">{html.escape(c.heading)}</th>'
+        for i, c in enumerate(LAYER_COLUMNS))
     rows = []
     for i, layer in enumerate(layers):
         toggle = ('<button class="fold" aria-label="fold">▾</button>' if i in has_children

@@ -18,7 +18,8 @@ from memsentry.model import (
     complete,
     growth_per_iteration,
 )
-from memsentry.reporters.breakdown import layer_share, render_breakdown
+from memsentry.reporters.breakdown import render_breakdown
+from memsentry.reporters.columns import LAYER_COLUMNS
 from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.processes import render_processes
@@ -28,10 +29,7 @@ from memsentry.usercode.text import printable_values
 
 # Two header lines, rendered as the first rows so that columns are only as wide as their cells
 # (tabulate widens every real header by two characters); ten columns then fit 100 characters.
-_LAYER_HEADERS = (
-    ("", "", "", "", "", "", "of", "fwd", "fwd", "bwd", "bwd"),
-    ("layer", "type", "calls", "params", "output", "saved", "peak", "Δ", "peak", "Δ", "peak"),
-)
+_LAYER_HEADERS = tuple(zip(*(column.lines for column in LAYER_COLUMNS), strict=True))
 _NARROW = TableFormat(
     lineabove=None,
     linebelowheader=None,
@@ -72,24 +70,8 @@ def select_layers(
     return shown
 
 
-def _cell(value: int | None) -> str:
-    return format_bytes(value, compact=True)
-
-
 def _layer_row(layer: LayerStats, peak: Breakdown | None) -> list[str]:
-    return [
-        layer.name,
-        layer.type,
-        str(layer.calls),
-        _cell(layer.param_bytes),
-        _cell(layer.output_bytes),
-        _cell(layer.saved_bytes),
-        layer_share(layer, peak),
-        _cell(layer.forward_delta),
-        _cell(layer.forward_peak),
-        _cell(layer.backward_delta),
-        _cell(layer.backward_peak),
-    ]
+    return [column.cell(layer, peak) for column in LAYER_COLUMNS]
 
 
 def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
@@ -98,11 +80,11 @@ def _totals_row(layers: Sequence[LayerStats]) -> list[str]:
 
     def total(attr: str) -> str:
         values = [getattr(layer, attr) for layer in leaves if getattr(layer, attr) is not None]
-        return _cell(sum(values)) if values else "-"
+        return format_bytes(sum(values), compact=True) if values else "-"
 
-    return ["total (leaf layers)", "", "",
-            total("param_bytes"), total("output_bytes"), total("saved_bytes"),
-            "", "", "", "", ""]
+    row = [total(c.attr) if c.summed and c.attr else "" for c in LAYER_COLUMNS]
+    row[0] = "total (leaf layers)"
+    return row
 
 
 def fit_layer_rows(headers: Sequence[Sequence[str]], rows: list[list[str]],
