@@ -111,3 +111,15 @@ def test_memsentry_show_findings_only(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("memsentry: 1 leak")
     assert "Layers (" not in shown.stdout
+
+
+def test_a_narrow_report_shortens_the_totals_label_and_wraps_its_titles() -> None:
+    text = _leaky().format(width=60)
+    lines = text.splitlines()
+    totals = next(line for line in lines if line.startswith(("total", "…")))
+    assert totals.split()[0] == "total"  # not "…eaf layers)"
+    layers_at = next(i for i, line in enumerate(lines) if line.startswith("Layers ("))
+    prose = [line for line in lines[:layers_at] if not line.startswith(" " * 8)]
+    assert all(len(line) <= 60 for line in prose)
+    iterations = next(line for line in lines if line.startswith("Iterations ("))
+    assert len(iterations) <= 60

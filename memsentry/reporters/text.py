@@ -111,6 +111,8 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
     rows = [_layer_row(layer, peak) for layer in shown]
     rows.append(_totals_row(report.layers))
     rule = fit_layer_rows(_LAYER_HEADERS, rows, width)
+    if rows[-1][0].startswith("…"):  # a narrow table: the totals' label is shortened, not cut
+        rows[-1][0] = "total"
     hidden = len(report.layers) - len(shown)
     title = "Layers (bytes per call: the worst call after the first, which carries one-time set-up"
     if hidden:
@@ -126,7 +128,7 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
     return f"{title}\n{table}"
 
 
-def render_iterations(report: ReportData, *, rows_at_most: int = 12) -> str:
+def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int = 100) -> str:
     its = report.iterations
     if not its:
         return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
@@ -154,7 +156,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12) -> str:
              + "; allocated at each boundary, peak inside"
              + ("; resident: the whole process, as the system counts it" if resident else "")
              + ")")
-    lines = [textwrap.fill(title, 100, subsequent_indent="  "), table]
+    lines = [textwrap.fill(title, width, subsequent_indent="  "), table]
     closed = complete(its)
     if closed:
         median_s = statistics.median(it.seconds for it in closed)
@@ -163,7 +165,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12) -> str:
         if slope is not None:
             summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
             summary += " after the first iteration"
-        lines.append(summary)
+        lines.append(textwrap.fill(summary, width))
     return "\n".join(lines)
 
 
@@ -182,7 +184,7 @@ def render_findings(report: ReportData, *, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def render_header(report: ReportData) -> str:
+def render_header(report: ReportData, *, width: int = 100) -> str:
     where = rank_line(report)
     parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"
              + (f", {where}" if where else "")]
@@ -200,7 +202,7 @@ def render_header(report: ReportData) -> str:
         parts.append(process)
     if report.nvml is not None:
         parts.append(_nvml_line(report.nvml))
-    return "\n".join(parts)
+    return "\n".join(textwrap.fill(part, width, subsequent_indent="  ") for part in parts)
 
 
 def _process_line(report: ReportData) -> str | None:
@@ -254,12 +256,12 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
         sections.append(render_findings(report, width=width))
     if view == "findings":
         return "\n\n".join(sections)
-    sections.append(render_header(report))
+    sections.append(render_header(report, width=width))
     ranks = render_ranks(report)
     if ranks is not None:
         sections.append(ranks)
     sections.append(render_layers(report, max_depth=max_depth, top=top, width=width))
-    sections.append(render_iterations(report))
+    sections.append(render_iterations(report, width=width))
     breakdown = render_breakdown(report, width=width)
     if breakdown is not None:
         sections.append(breakdown)
