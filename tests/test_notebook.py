@@ -326,6 +326,10 @@ def test_cells_ending_with_a_tensor_fill_the_output_history(
     assert "carry an autograd graph" in finding.message
     assert "`%reset -f out`" in finding.fix and "end such cells with `;`" in finding.fix
     assert "LEAK  tensor-accumulation: `Out`" in shown
+    # The forwards of 8 cells, none under no_grad: one finding naming the cells, not 8.
+    (waste,) = [f for f in last_report(shell).findings if f.rule == "missing-no-grad"]
+    assert " in 8 notebook cells (In[" in waste.message, waste.message
+    assert waste.location is not None and waste.location.file.startswith("In[")
 
 
 def test_cells_ending_with_a_semicolon_keep_nothing(shell: InteractiveShell) -> None:

@@ -2,11 +2,58 @@
 
 from __future__ import annotations
 
-from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
+import re
+from collections.abc import Sequence
+
+from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, UnusedGraph
 from memsentry.rules.registry import rule
 from memsentry.units import format_bytes
 
 RULE_ID = "missing-no-grad"
+#: A notebook cell's name, as memsentry labels cells (``In[5]``).
+_CELL = re.compile(r"In\[\d+\]")
+#: Cells named in a finding about several, at most.
+_CELLS_NAMED = 4
+
+
+def _in_cell(unused: UnusedGraph) -> bool:
+    return unused.where is not None and bool(_CELL.fullmatch(unused.where.file))
+
+
+def _by_site(unused: Sequence[UnusedGraph]) -> list[tuple[UnusedGraph, list[str]]]:
+    """Each call site as it is, except that a module's calls from the top level of several
+    notebook cells (a model looked at cell after cell) are one: the cells are the sites,
+    named in the message; the first is the finding's line."""
+    result: list[tuple[UnusedGraph, list[str]]] = []
+    cells: dict[str, int] = {}  # module -> its merged entry in result
+    for graph in unused:
+        if not _in_cell(graph):
+            result.append((graph, []))
+            continue
+        at = cells.get(graph.module)
+        if at is None:
+            cells[graph.module] = len(result)
+            result.append((graph, [str(graph.where)]))
+            continue
+        known, sites = result[at]
+        saved = max((b for b in (known.saved_bytes, graph.saved_bytes) if b is not None),
+                    default=None)
+        result[at] = (UnusedGraph(
+            module=known.module, calls=known.calls + graph.calls,
+            eval_calls=known.eval_calls + graph.eval_calls, saved_bytes=saved,
+            where=known.where, unwatched=known.unwatched + graph.unwatched,
+        ), [*sites, str(graph.where)])
+    return result
+
+
+def _caller(unused: UnusedGraph, cells: list[str]) -> str:
+    where = unused.where
+    if len(cells) > 1:
+        named = ", ".join(cells[:_CELLS_NAMED]) + (", …" if len(cells) > _CELLS_NAMED else "")
+        return f" in {len(cells)} notebook cells ({named})"
+    if where is not None and where.function and where.function != "<module>":
+        return f" from {where.function}() at {where}"
+    return f" at {where}" if where is not None else ""
 
 
 @rule(RULE_ID, severities={Severity.WASTE})
@@ -18,22 +65,19 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
     findings = []
     cost = report.cost
     partial = cost is not None and cost.sampled < cost.iterations
-    for unused in report.unused_graphs:
+    for unused, cells in _by_site(report.unused_graphs):
         if unused.saved_bytes == 0:
             continue  # nothing saved, nothing wasted
-        caller, where = "", unused.where
-        if where is not None and where.function and where.function != "<module>":
-            caller = f" from {where.function}() at {where}"
-        elif where is not None:
-            caller = f" at {where}"
+        caller = _caller(unused, cells)
         mode = (
             f"{unused.eval_calls:,} of them in eval() mode" if unused.eval_calls
             else "in train() mode"
         )
         least = "at least " if partial or unused.unwatched else ""
         message = (
-            f"`{unused.module}` ran {least}{unused.calls:,} forward passes with autograd "
-            f"on{caller} ({mode}) whose graphs no backward used"
+            f"`{unused.module}` ran {least}{unused.calls:,} forward "
+            f"pass{'es' if unused.calls != 1 else ''} with autograd on{caller} ({mode}) whose "
+            f"graph{'s' if unused.calls != 1 else ''} no backward used"
         )
         if partial and not unused.unwatched:
             assert cost is not None
