@@ -94,11 +94,28 @@ def _user_frame() -> types.FrameType | None:
     return frame
 
 
+def _umask() -> int:
+    """The process's file mode mask: from ``/proc/self/status`` where Linux has it (reading
+    it so changes nothing), else by setting it and putting it back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(report: Report, path: str) -> None:
-    """``report`` as JSON to ``path``, through a temporary file moved in place."""
+    """``report`` as JSON to ``path``, through a temporary file moved in place; the file gets
+    the permissions ``open()`` would give it (``mkstemp`` makes its files private)."""
     folder = os.path.dirname(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(prefix=".memsentry-", suffix=".json", dir=folder)
     try:
+        os.chmod(temporary, 0o666 & ~_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(report.to_json())
         os.replace(temporary, path)

@@ -10,6 +10,7 @@ so the command's parser is built without it.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -223,7 +224,8 @@ BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
 
 def docstring() -> str:
     """The options as the paragraphs of a docstring: ````name```` (default): help."""
-    return "\n\n".join(f"``{s.name}`` (default ``{s.default!r}``): {s.help}" for s in SETTINGS)
+    return "\n\n".join(textwrap.fill(f"``{s.name}`` (default ``{s.default!r}``): {s.help}", 88)
+                       for s in SETTINGS)
 
 
 __all__ = ["BY_NAME", "ON_LEAK", "OVERHEAD", "SETTINGS", "SNAPSHOT_ENTRIES", "WATCH_OVERHEAD",

@@ -131,6 +131,9 @@ def test_the_report_file_holds_the_latest_report_while_the_run_goes_on(tmp_path:
     assert final.findings == t.report().findings
     assert final.iterations == t.report().iterations
     assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json"]  # no temporary left
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # as open() makes it, not private
 
 
 def test_the_report_is_built_once_when_tracking_ended() -> None:

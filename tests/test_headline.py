@@ -4,6 +4,7 @@ the heap backend's breakdown shows the process heap apart from ``other``."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -123,3 +124,14 @@ def test_a_narrow_report_shortens_the_totals_label_and_wraps_its_titles() -> Non
     assert all(len(line) <= 60 for line in prose)
     iterations = next(line for line in lines if line.startswith("Iterations ("))
     assert len(iterations) <= 60
+
+
+def test_an_iteration_passed_with_a_count_only_is_marked_and_counted() -> None:
+    report = _clean()
+    kept = tuple(it for it in report.iterations if it.index != 3)
+    text = dataclasses.replace(report, iterations=kept).format()
+    table = text[text.index("Iterations ("):].splitlines()
+    assert "1 passed with a count only" in " ".join(table[:3])
+    labels = [row.split()[0] for row in table
+              if row.strip() and row.split()[0][:1] in "0123456789…"]
+    assert labels[labels.index("2") + 1] == "…" and labels[labels.index("…") + 1] == "4"

@@ -252,8 +252,8 @@ def budget_notes(cost: Cost) -> list[str]:
             f"memsentry kept to its budget of {cost.budget:.0%} of the loop's time "
             f"(track(overhead=...)): it measured layers in {cost.sampled:,} of "
             f"{cost.iterations:,} iterations and read only the boundaries of the others, so "
-            "the layer table comes from those iterations; the iterations table and the "
-            "holder searches are whole. track(overhead=None) measures every iteration.")
+            "the layer table comes from those iterations; the holder searches are whole. "
+            "track(overhead=None) measures every iteration.")
     if cost.censuses_deferred:
         notes.append(
             f"{cost.censuses_deferred:,} holder search(es) waited until the budget could pay "

@@ -79,11 +79,10 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
                              disable_numparse=True)]
     lines.append("The layers' `of peak` column is each layer's saved bytes over this total.")
     if heap:
-        lines.append("The CPU backend counts the whole process heap (glibc's mallinfo2), "
-                     f"tensors and everything else: of the {format_bytes(report.baseline)} in "
-                     "use when tracking began, what the parameters do not explain is shown "
-                     "apart; `other` is the rest (temporaries, inputs, and what the process "
-                     "allocated since). track(exact=True) counts tensor storages only.")
+        lines.append("The CPU backend counts the whole process heap (glibc's mallinfo2): of "
+                     f"the {format_bytes(report.baseline)} in use when tracking began, what the "
+                     "parameters do not explain is shown apart. track(exact=True) counts tensor "
+                     "storages only.")
     elif report.peak is not None and peak.total > report.peak:
         lines.append(f"The total is above the allocated peak ({format_bytes(report.peak)}): "
                      "the parts count storages made before tracking began (the model's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import textwrap
 from collections.abc import Sequence
@@ -138,10 +139,14 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
         shown = [*its[:head], None, *its[-(rows_at_most - head):]]
     resident = any(it.resident is not None for it in its)
     headers = _ITER_HEADERS[:-1] + ("resident",) * resident + _ITER_HEADERS[-1:]
-    rows = []
+    rows: list[list[str]] = []
+    before: IterationStats | None = None
     for it in shown:
-        if it is None:
+        if it is None or (before is not None and it.index > before.index + 1
+                          and rows[-1][0] != "…"):  # elided here, or not read (passed)
             rows.append(["…"] + [""] * (len(headers) - 1))
+        before = it
+        if it is None:
             continue
         label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
         rows.append([label, format_bytes(it.allocated),
@@ -151,9 +156,15 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
                      f"{it.seconds * 1000:.1f} ms"])
     table = tabulate(rows, headers=headers, tablefmt="simple",
                      colalign=("right",) * len(headers), disable_numparse=True)
+    missing = sum(b.index - a.index - 1 for a, b in itertools.pairwise(its))
+    passed = max(0, missing - report.dropped_iterations)
     title = (f"Iterations ({len(its)} recorded"
              + (f", {report.dropped_iterations} thinned out" if report.dropped_iterations else "")
+             + (f", {passed} passed with a count only (their boundaries not read, to keep "
+                "to the budget)" if passed else "")
              + "; allocated at each boundary, peak inside"
+             + ("; reserved '-': not read in a light iteration"
+                if any(it.reserved is None for it in its) else "")
              + ("; resident: the whole process, as the system counts it" if resident else "")
              + ")")
     lines = [textwrap.fill(title, width, subsequent_indent="  "), table]

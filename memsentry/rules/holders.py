@@ -285,6 +285,12 @@ def _accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
         return _FIXES["model"]
     if what in _FIXES:
         return _FIXES[what].format(base=base_name(last))
+    if last.graph_tensors and last.tensors and last.bytes <= 8 * last.tensors:
+        return (  # scalars (losses, metrics): a detached one would still pile up a tensor
+            "store Python numbers: `.item()` (a `.detach()`ed scalar still adds a tensor "
+            "every step); clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
     if last.graph_tensors:
         return (
             "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
