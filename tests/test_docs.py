@@ -172,3 +172,14 @@ def test_results_unused_for_a_month_are_pruned(tmp_path: Path) -> None:
     os.utime(old, (month, month))
     assert outputs.prune(tmp_path) == 1
     assert not old.exists() and recent.exists()
+
+
+def test_the_plugin_options_table_pairs_every_ini_key_with_its_option() -> None:
+    import memsentry_plugin_options as plugin
+
+    options = {entry.option: entry for entry in plugin.plugin_options()}
+    assert "--memsentry" in options and "--memsentry-check" in options
+    assert plugin.unmatched_inis() == []
+    assert options["--memsentry-max-leak"].ini == "memsentry_max_leak"
+    assert options["--memsentry"].ini_type == "bool"
+    assert options["--memsentry-report"].ini is None  # a command-line switch only

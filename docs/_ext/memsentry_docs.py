@@ -9,6 +9,7 @@ what the commands print, made from the code when the docs are built.
 - ``memsentry-rules``: the rules' table and one section per rule, from ``memsentry.RULES``;
 - ``memsentry-cli``: each subcommand's usage and arguments, from ``build_parser()``;
 - ``memsentry-options``: track()'s options, from ``memsentry.settings.SETTINGS``;
+- ``memsentry-pytest-options``: the plugin's options and ini keys, from its ``pytest_addoption``;
 - ``memsentry-schema``: the JSON layout of a saved report, one table per object.
 
 The run directives are :mod:`memsentry_runs` (runs and cache: :mod:`memsentry_outputs`), the
@@ -113,6 +114,30 @@ class OptionsDirective(SphinxDirective):
                          [nodes.Text(passed)]])
         return [table(["option", "default", "takes", "what it does", "memsentry run",
                        "callbacks pass it"], rows, [12, 8, 16, 44, 12, 8])]
+
+
+class PluginOptionsDirective(SphinxDirective):
+    """````{memsentry-pytest-options}````: the plugin's options and their ini keys, from its
+    ``pytest_addoption``."""
+
+    def run(self) -> list[nodes.Node]:
+        from memsentry_plugin_options import plugin_options, unmatched_inis
+
+        track(self)
+        stray = unmatched_inis()
+        if stray:
+            raise self.error(f"memsentry-pytest-options: ini keys with no option: {stray}")
+        rows = []
+        for entry in plugin_options():
+            spelled = entry.option + (f"={entry.metavar}" if entry.metavar else "")
+            ini: list[nodes.Node] = []
+            if entry.ini is not None:
+                ini = [nodes.literal(entry.ini, entry.ini), nodes.Text(f" ({entry.ini_type})")]
+            default = "off" if entry.default is False else (
+                "-" if entry.default is None else repr(entry.default))
+            rows.append([[nodes.literal(spelled, spelled)], ini, [nodes.Text(default)],
+                         [nodes.Text(entry.help)]])
+        return [table(["option", "ini key", "default", "meaning"], rows, [18, 16, 6, 60])]
 
 
 class CliDirective(SphinxDirective):
@@ -233,6 +258,7 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("memsentry-rules", RulesDirective)
     app.add_directive("memsentry-cli", CliDirective)
     app.add_directive("memsentry-options", OptionsDirective)
+    app.add_directive("memsentry-pytest-options", PluginOptionsDirective)
     app.add_directive("memsentry-schema", SchemaDirective)
     app.connect("env-get-outdated", _outdated)
     app.connect("env-purge-doc", _purge)
