@@ -153,12 +153,12 @@ class Boundaries:
         seconds = now - self._clock.started
         each = seconds / (passed + 1)
         allocated = self._sampler.sample()
-        resident, blocks = self._clock.resident()
+        resident = self._clock.resident_only()  # the block count is for full boundaries
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
             data_seconds=self._clock.data_seconds(passed + 1), sampled=False,
-            resident=resident, python_blocks=blocks))
+            resident=resident))
         self._sampler.peak = allocated
         if boundary != Boundary.FORWARD:
             self._settle_calls()
@@ -166,7 +166,8 @@ class Boundaries:
         if census:
             now = time.perf_counter()
         self._advance(boundary, seconds, now, iterations=passed + 1)
-        if self._forward.hooks.bare or self._signals.signal is Boundary.FORWARD:
+        if self._forward.hooks.bare or self._signals.signal in (Boundary.FORWARD,
+                                                                 Boundary.BACKWARD):
             # The next iteration is light with no hook, or with the anchors' hooks alone
             # (they end its iterations): pass some boundaries with a count.
             self.skip = self._to_pass(each)
@@ -189,11 +190,14 @@ class Boundaries:
 
     def _bare(self) -> bool:
         """Whether the next iteration, light, can go without any module hook
-        (:mod:`memsentry.record.hooks`): its end comes from an optimizer step or
-        ``t.step()``, no census waits for its first module call, and no forward runs now."""
-        return (self._budget.light and self._censuses.pending is None
-                and not self._forward.stack
-                and self._signals.signal in (Boundary.OPTIMIZER, Boundary.STEP))
+        (:mod:`memsentry.record.hooks`): its end comes from an optimizer step, ``t.step()``
+        or a backward pass the wrapped ``torch.autograd.backward`` sees end (each pass so far
+        was seen so), no census waits for its first module call, and no forward runs now."""
+        signal = self._signals.signal
+        ends = signal in (Boundary.OPTIMIZER, Boundary.STEP) or (
+            signal is Boundary.BACKWARD and self._signals.passes_wrapped)
+        return (ends and self._budget.light and self._censuses.pending is None
+                and not self._forward.stack)
 
     def _lean(self) -> nn.Module | None:
         """The one module the next iteration hooks, when it is light and the calls of the

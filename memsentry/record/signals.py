@@ -36,6 +36,31 @@ class Signals:
         self.signal: Boundary | None = None
         self._first: weakref.ref[nn.Module] | None = None
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._wrapped = False  # the wrapper saw the end of a pass the engine ended
+        self._unwrapped = False  # an engine pass ended that no wrapped call made (for good)
+        self._engine_ended = False  # an engine pass ended that the wrapper has not seen yet
+
+    @property
+    def passes_wrapped(self) -> bool:
+        """Whether ``torch.autograd.backward`` (wrapped) was seen ending every backward pass
+        the engine ended (``torch.autograd.grad`` is not wrapped): then the iterations closed
+        at the ends of backward passes can be counted with no module hook."""
+        return self._wrapped and not self._unwrapped
+
+    def engine_pass_ended(self) -> None:
+        """The end of a backward pass that reached a watched call (autograd's engine)."""
+        if self._engine_ended:  # the one before ended with no wrapped call: autograd.grad
+            self._unwrapped = True
+        self._engine_ended = True
+
+    def wrapped_pass_ended(self) -> bool:
+        """The wrapped ``torch.autograd.backward`` returned; whether the engine's end of its
+        pass was seen (and closed the iteration) already."""
+        seen = self._engine_ended
+        if seen:
+            self._wrapped = True
+            self._engine_ended = False
+        return seen
 
     def primary(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a step of ``optimizer`` is an OPTIMIZER event: the first optimizer to step

@@ -89,8 +89,14 @@ class IterationClock:
         )
 
     def resident(self) -> tuple[int | None, int]:
-        """The process's resident bytes and Python's small-object blocks now."""
+        """The process's resident bytes and Python's small-object blocks now. The block count
+        walks every arena of Python's allocator (30 us with torch imported, 200 us beside 3
+        million objects): only a full boundary reads it, never a light one."""
         return self._resident.read(), sys.getallocatedblocks()
+
+    def resident_only(self) -> int | None:
+        """The process's resident bytes (1.4 us: ``statm`` kept open)."""
+        return self._resident.read()
 
     def advance(self, now: float) -> None:
         """Begin the next iteration at ``now`` (after what the boundary's own work took)."""
