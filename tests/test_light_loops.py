@@ -200,3 +200,51 @@ def test_light_inference_hooks_only_the_module_that_ends_iterations() -> None:
         assert seen[0] == measured
         assert seen[-1] == (0, True, False, False)  # light: `fc1` alone
         assert hooked() == (0, False, False, False)
+
+
+def _hand_updated(model: nn.Module, step: int, *, grad: bool) -> torch.Tensor:
+    """One step of a loop with no torch.optim: ``.backward()`` (or ``autograd.grad``), then
+    the weights updated by hand."""
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    loss = nn.functional.mse_loss(model(x), y)
+    params = list(model.parameters())
+    if grad:
+        grads = torch.autograd.grad(loss, params)
+    else:
+        model.zero_grad()
+        loss.backward()
+        grads = tuple(p.grad for p in params)
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            p -= 0.01 * g
+    return loss
+
+
+@pytest.mark.parametrize("make", [memsentry.track, memsentry.watch])
+def test_a_loop_updated_by_hand_goes_unhooked_between_measured_iterations(make) -> None:
+    # Its iterations end at backward passes; once the wrapped torch.autograd.backward is seen
+    # ending them, light iterations hook no module (each read boundary had cost 30 us and
+    # more, 2.5x the tiny step) and still count every iteration; the leak is still named.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    kept, unhooked = [], 0
+    with make(model, on_leak="ignore") as t:
+        for step in range(1500):
+            kept.append(_hand_updated(model, step, grad=False))
+            unhooked += not model._forward_hooks and not model._forward_pre_hooks
+    report = t.report()
+    assert report.cost is not None and report.cost.iterations == 1500
+    assert unhooked > 1000
+    assert any(f.rule == "tensor-accumulation" and f.subject is not None
+               and f.subject.name == "kept" for f in report.findings)
+
+
+def test_a_loop_of_autograd_grad_keeps_its_hooks_and_its_count() -> None:
+    # torch.autograd.grad is not wrapped: only the hooks see its passes end.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with memsentry.watch(model, on_leak="ignore") as t:
+        for step in range(600):
+            _hand_updated(model, step, grad=True)
+    cost = t.report().cost
+    assert cost is not None and cost.iterations == 600

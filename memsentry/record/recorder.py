@@ -268,15 +268,9 @@ class Recorder:
         if not self.active or not self._owner.mine():
             return
         self._forward.settle_stack()
-        counted = self._signals.wrapped_pass_ended()  # its end closed the iteration already
-        signalled = self._roots.pass_seen()
-        bare = (self._forward.hooks.bare and self._signals.signal is Boundary.BACKWARD
-                and not counted)
-        if bare or not self._signals.module_seen or (
-                self._roots.thinned and not signalled
-                and self._signals.signal is Boundary.FORWARD):
-            # (a backward that reached only calls left unwatched ends an iteration too; in a
-            # light iteration with no hook, this wrapper alone sees the pass end)
+        if self._signals.wrapped_pass_ends_iteration(
+                bare=self._forward.hooks.bare, reached=self._roots.pass_seen(),
+                thinned=self._roots.thinned):
             if self._sampler.backend is None:  # no module ran to pick the device
                 self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)

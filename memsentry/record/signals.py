@@ -53,6 +53,18 @@ class Signals:
             self._unwrapped = True
         self._engine_ended = True
 
+    def wrapped_pass_ends_iteration(self, *, bare: bool, reached: bool, thinned: bool) -> bool:
+        """Whether the wrapped ``torch.autograd.backward``, returning, ends an iteration:
+        without modules (weights as plain tensors); in a light iteration with no hook
+        (``bare``), where the wrapper alone sees the pass end; or when the pass ``reached``
+        none of the calls watched while some were left unwatched (``thinned``) in a loop of
+        forwards."""
+        counted = self.wrapped_pass_ended()  # the engine's end of it closed the iteration
+        if bare and self.signal is Boundary.BACKWARD and not counted:
+            return True
+        return not self.module_seen or (thinned and not reached
+                                        and self.signal is Boundary.FORWARD)
+
     def wrapped_pass_ended(self) -> bool:
         """The wrapped ``torch.autograd.backward`` returned; whether the engine's end of its
         pass was seen (and closed the iteration) already."""
