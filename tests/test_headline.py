@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_mlp
+from conftest import make_mlp, train
 from torch import nn
 
 import memsentry
@@ -37,12 +37,8 @@ def _leaky(**options: object) -> Report:
 
 def _clean() -> Report:
     model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with memsentry.track(model, on_leak="ignore") as t:
-        for _ in range(8):
-            model(torch.randn(64, 16)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, 8, batch=64)
     return t.report()
 
 
