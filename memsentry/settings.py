@@ -91,11 +91,7 @@ class Setting:
             raise error(f"track({self.name}=...) takes {self.accepts} (default "
                         f"{self.default!r}: {self.help_line}); got {value!r}")
         if self.kind == "path":
-            path = os.fspath(value)  # type: ignore[call-overload]
-            problem = unwritable(path)
-            if problem is not None:
-                raise ValueError(f"track({self.name}={path!r}): {problem}")
-            return path
+            return writable(self.name, os.fspath(value))  # type: ignore[call-overload]
         if self.kind == "number":
             return float(value)  # type: ignore[arg-type]
         return value
@@ -106,6 +102,15 @@ class Setting:
         search may take``."""
         first = self.help.split(". ")[0].split(": ")[0].split("; ")[0].rstrip(".")
         return first[:1].lower() + first[1:]
+
+
+def writable(option: str, path: str) -> str:
+    """``path``, given as ``track(option=path)``, when a file can be written there; else a
+    ``ValueError`` saying why (checked before anything runs)."""
+    problem = unwritable(path)
+    if problem is not None:
+        raise ValueError(f"track({option}={path!r}): {problem}")
+    return path
 
 
 def _number(setting: Setting, value: object) -> bool:
@@ -229,4 +234,4 @@ def docstring() -> str:
 
 
 __all__ = ["BY_NAME", "ON_LEAK", "OVERHEAD", "SETTINGS", "SNAPSHOT_ENTRIES", "WATCH_OVERHEAD",
-           "Flag", "Setting", "docstring"]
+           "Flag", "Setting", "docstring", "writable"]

@@ -34,12 +34,18 @@ class _Recorder:
         self.inis[name] = (help, type)
 
 
-def plugin_options() -> list[PluginOption]:
-    """Each option of ``pytest --memsentry``'s plugin, in the order it declares them."""
+def _declared() -> _Recorder:
+    """What the plugin's ``pytest_addoption`` declares."""
     from pytest_memsentry.plugin import pytest_addoption
 
     recorder = _Recorder()
     pytest_addoption(recorder)  # type: ignore[arg-type]
+    return recorder
+
+
+def plugin_options() -> list[PluginOption]:
+    """Each option of ``pytest --memsentry``'s plugin, in the order it declares them."""
+    recorder = _declared()
     found = []
     for names, kwargs in recorder.options:
         option = next(n for n in names if n.startswith("--"))
@@ -54,10 +60,7 @@ def plugin_options() -> list[PluginOption]:
 
 def unmatched_inis() -> list[str]:
     """Ini keys no command-line option matches (the table would not show them)."""
-    from pytest_memsentry.plugin import pytest_addoption
-
-    recorder = _Recorder()
-    pytest_addoption(recorder)  # type: ignore[arg-type]
+    recorder = _declared()
     options = {next(n for n in names if n.startswith("--"))[2:].replace("-", "_")
                for names, _ in recorder.options}
     return sorted(set(recorder.inis) - options)

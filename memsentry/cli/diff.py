@@ -17,6 +17,7 @@ from memsentry.cli.args import at_least, fail
 from memsentry.cli.files import read_report
 from memsentry.model import LimitCheck, Limits, ReportDiff
 from memsentry.model.diff import parse_growth_increase, parse_increase
+from memsentry.paths import unwritable
 from memsentry.reporters.diff import diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
 from memsentry.rules.diff import check, diff
@@ -82,8 +83,6 @@ def _write(path: str, text: str, option: str) -> str | None:
 
 def _outputs_problem(args: argparse.Namespace) -> str | None:
     """What stops the outputs asked for from being written, checked before reading."""
-    from memsentry.paths import unwritable  # memsentry.record imports torch
-
     for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html)):
         problem = unwritable(path) if path else None
         if problem is not None:

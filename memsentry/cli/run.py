@@ -14,7 +14,8 @@ from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end
 from memsentry.cli.files import reason
 from memsentry.cli.script import Outcome, Script, print_error
 from memsentry.errors import MemsentryError
-from memsentry.settings import BY_NAME, OVERHEAD, SETTINGS, WATCH_OVERHEAD, Flag
+from memsentry.paths import unwritable
+from memsentry.settings import OVERHEAD, SETTINGS, WATCH_OVERHEAD, Flag, Setting
 from memsentry.units import parse_size
 
 if TYPE_CHECKING:  # torch is imported for `run` only, when it runs
@@ -32,7 +33,7 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                         help="write the text report to FILE instead of standard output")
     for setting in SETTINGS:  # the options of track() that have a flag, as settings says
         if setting.flag is not None:
-            _add_flag(parser, setting.flag)
+            _add_flag(parser, setting, setting.flag)
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
                              "(e.g. 80GiB), from the batch sizes the run measured")
@@ -43,14 +44,14 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
-def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
+def _add_flag(parser: argparse.ArgumentParser, setting: Setting, flag: Flag) -> None:
     """A track() option's flag: a switch, or a value checked as seconds (``SECONDS``)."""
     text = flag.help.replace("%", "%%")
     if flag.metavar is None:
         parser.add_argument(flag.name, action="store_true", help=text)
     elif flag.metavar == "SECONDS":
         parser.add_argument(flag.name, metavar=flag.metavar, type=_seconds,
-                            default=BY_NAME[flag.name[2:].replace("-", "_")].default, help=text)
+                            default=setting.default, help=text)
     else:
         parser.add_argument(flag.name, metavar=flag.metavar, help=text)
 
@@ -68,8 +69,6 @@ def _seconds(text: str) -> float:
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, before anything runs (each output file is checked
     too, so a long run never ends with its report lost)."""
-    from memsentry.paths import unwritable  # with torch: `run` is running
-
     if args.module:
         import importlib.util
 

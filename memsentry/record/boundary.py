@@ -153,7 +153,7 @@ class Boundaries:
         seconds = now - self._clock.started
         each = seconds / (passed + 1)
         allocated = self._sampler.sample()
-        resident = self._clock.resident_only()  # the block count is for full boundaries
+        resident = self._clock.resident()  # no block count: full boundaries read it
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,

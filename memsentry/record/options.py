@@ -9,8 +9,7 @@ from typing import Any, Literal
 import torch
 
 from memsentry.measure import parse_device
-from memsentry.paths import unwritable
-from memsentry.settings import BY_NAME
+from memsentry.settings import BY_NAME, writable
 
 OnLeak = Literal["warn", "raise", "ignore"]
 
@@ -64,7 +63,4 @@ def snapshot_path(snapshot: object) -> str | None:
             "tracker.snapshot(path)) or the path of the pickle file to write at the end (a str "
             f"or os.PathLike), for PyTorch's memory_viz; got {snapshot!r}"
         )
-    problem = unwritable(path)
-    if problem is not None:
-        raise ValueError(f"track(snapshot={path!r}): {problem}")
-    return path
+    return writable("snapshot", path)

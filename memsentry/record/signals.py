@@ -59,13 +59,13 @@ class Signals:
         (``bare``), where the wrapper alone sees the pass end; or when the pass ``reached``
         none of the calls watched while some were left unwatched (``thinned``) in a loop of
         forwards."""
-        counted = self.wrapped_pass_ended()  # the engine's end of it closed the iteration
+        counted = self._wrapped_pass_ended()  # the engine's end of it closed the iteration
         if bare and self.signal is Boundary.BACKWARD and not counted:
             return True
         return not self.module_seen or (thinned and not reached
                                         and self.signal is Boundary.FORWARD)
 
-    def wrapped_pass_ended(self) -> bool:
+    def _wrapped_pass_ended(self) -> bool:
         """The wrapped ``torch.autograd.backward`` returned; whether the engine's end of its
         pass was seen (and closed the iteration) already."""
         seen = self._engine_ended

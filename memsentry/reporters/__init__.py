@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from memsentry.model import ReportData
 from memsentry.reporters.base import Reporter
 from memsentry.reporters.html import HtmlReporter
 from memsentry.reporters.json import JsonReporter
@@ -41,7 +42,7 @@ def format_of(path: str | os.PathLike[str]) -> str:
     return SUFFIXES.get(os.path.splitext(os.fspath(path))[1].lower(), TextReporter.name)
 
 
-def write_report(report: Any, path: str | os.PathLike[str], *, format: str | None = None,
+def write_report(report: ReportData, path: str | os.PathLike[str], *, format: str | None = None,
                  **options: Any) -> None:
     """Write ``report`` to ``path`` in ``format`` (by default the one its suffix asks for),
     through the registry's reporter; ``options`` go to a text reporter (``top``, ``width``,

@@ -26,8 +26,8 @@ def _counted(counts: Counter[Severity]) -> str:
 
 def _named(finding: Finding) -> str:
     """```history` at quick.py:16 (tensor-accumulation)``."""
-    named = finding.subject is not None and bool(finding.subject.name)
-    text = f"`{finding.subject.name}`" if finding.subject is not None and named else ""
+    subject = finding.subject
+    text = f"`{subject.name}`" if subject is not None and subject.name else ""
     if finding.location is not None:
         text += f" at {finding.location}"
     if finding.rank is not None:

@@ -250,6 +250,12 @@ def _nvml_line(nvml: dict[str, Any]) -> str:
 VIEWS = ("full", "findings")
 
 
+def _checked_view(view: str) -> str:
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}: use one of {', '.join(map(repr, VIEWS))}")
+    return view
+
+
 def render_text(report: ReportData, *, max_depth: int | None = None, top: int | None = 30,
                 width: int = 100, view: str = "full") -> str:
     """The text report: a one-line headline, the out-of-memory post-mortem and the findings,
@@ -257,8 +263,7 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
     the processes and the notes. The watched program's strings (module, holder and file
     names, messages) are written :func:`~memsentry.usercode.text.printable`: a control
     character is an escape."""
-    if view not in VIEWS:
-        raise ValueError(f"unknown view {view!r}: use one of {', '.join(map(repr, VIEWS))}")
+    _checked_view(view)
     report = printable_values(report)
     sections = [textwrap.fill(headline(report), width, subsequent_indent="  ")]
     if report.oom is not None:
@@ -296,9 +301,8 @@ class TextReporter:
 
     def __init__(self, *, max_depth: int | None = None, top: int | None = 30,
                  width: int = 100, view: str = "full") -> None:
-        if view not in VIEWS:
-            raise ValueError(f"unknown view {view!r}: use one of {', '.join(map(repr, VIEWS))}")
-        self.max_depth, self.top, self.width, self.view = max_depth, top, width, view
+        self.max_depth, self.top, self.width = max_depth, top, width
+        self.view = _checked_view(view)  # refused when made, not when the report is printed
 
     def text(self, report: ReportData) -> str:
         return render_text(report, max_depth=self.max_depth, top=self.top, width=self.width,
