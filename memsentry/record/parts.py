@@ -36,6 +36,11 @@ from memsentry.record.layers import LayerRecord, storage_bytes
 Keys = dict[int, int]  # storage pointer -> bytes
 
 
+def _nothing() -> None:
+    """A dead weak reference's answer."""
+    return None
+
+
 class LiveSaved:
     """Bytes of the storages saved for backward that autograd still keeps.
 
@@ -106,6 +111,7 @@ class Parts:
         self._model = weakref.ref(model) if model is not None else None
         self._outermost: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._last_optimizer: Callable[[], torch.optim.Optimizer | None] = _nothing
         self._params: list[weakref.ref[torch.Tensor]] = []
         self.live = LiveSaved()
         self.param_keys: Keys = {}
@@ -152,7 +158,9 @@ class Parts:
             coverage.count(started, PARTS)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizers.add(optimizer)
+        if self._last_optimizer() is not optimizer:  # at every step: a weak set add is dear
+            self._optimizers.add(optimizer)
+            self._last_optimizer = weakref.ref(optimizer)
 
     # -- reading ---------------------------------------------------------------------------
     def read_all(self) -> None:

@@ -95,16 +95,20 @@ def nested_step(optimizer: torch.optim.Optimizer, frames: int = 12) -> bool:
     return False
 
 
-_NESTING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: The last optimizer class asked about and its answer: a loop steps one class at every step,
+#: and a weak-keyed table would make a weak reference at each (a class, never a model).
+_last_kind: tuple[type | None, bool] = (None, False)
 
 
 def _steps_nest(kind: type) -> bool:
     """Whether a step of optimizer class ``kind`` may run inside another: more than one class
     of its MRO defines ``step`` (a step that calls ``super().step()``)."""
-    nests = _NESTING.get(kind)
-    if nests is None:
-        nests = _NESTING[kind] = sum("step" in vars(klass) for klass in kind.__mro__
-                                     if klass is not torch.optim.Optimizer) > 1
+    global _last_kind
+    known, nests = _last_kind
+    if known is not kind:
+        nests = sum("step" in vars(klass) for klass in kind.__mro__
+                    if klass is not torch.optim.Optimizer) > 1
+        _last_kind = (kind, nests)
     return nests
 
 

@@ -10,7 +10,15 @@ import ast
 import functools
 from dataclasses import dataclass
 
-from memsentry.usercode.lines import mtime, parse, short_path, source_text, spells, walk_functions
+from memsentry.usercode.lines import (
+    mtime,
+    nodes,
+    nodes_by_line,
+    parse,
+    short_path,
+    source_text,
+    spells,
+)
 from memsentry.usercode.location import Location
 
 #: Methods that add their argument to the container they are called on.
@@ -53,12 +61,7 @@ def added_value(path: str | None, line: int | None, name: str) -> str | None:
 
 @functools.lru_cache(maxsize=1024)
 def _added_value(path: str, mtime: float | None, line: int, name: str) -> str | None:
-    tree = parse(path, mtime)
-    if tree is None:
-        return None
-    for node, _function in walk_functions(tree, None):
-        if getattr(node, "lineno", None) != line:
-            continue
+    for node in nodes_by_line(path, mtime).get(line, ()):
         value = _value_of(node, name)
         if value is not None:
             return _segment(path, value)
@@ -78,11 +81,8 @@ def rewritten(path: str | None, line: int | None, name: str) -> str | None:
 
 @functools.lru_cache(maxsize=1024)
 def _rewritten(path: str, mtime: float | None, line: int, name: str) -> str | None:
-    tree = parse(path, mtime)
-    if tree is None:
-        return None
-    for node, _function in walk_functions(tree, None):
-        if isinstance(node, ast.Assign) and node.lineno == line == node.end_lineno \
+    for node in nodes_by_line(path, mtime).get(line, ()):
+        if isinstance(node, ast.Assign) and line == node.end_lineno \
                 and any(spells(t, name) for t in node.targets):
             others = _other_values(node.value, name)
             if others is None or len(others) != 1:
@@ -150,7 +150,7 @@ def _feeding_call(method_file: str, method_mtime: float | None, line: int, calle
     callers = parse(caller_file, caller_mtime)
     if tree is None or callers is None:
         return None
-    method = _method_at(tree, line)
+    method = _method_at(method_file, method_mtime, line)
     if method is None:
         return None
     for node in ast.walk(callers):
@@ -161,10 +161,10 @@ def _feeding_call(method_file: str, method_mtime: float | None, line: int, calle
     return None
 
 
-def _method_at(tree: ast.Module, line: int) -> str | None:
+def _method_at(path: str, mtime: float | None, line: int) -> str | None:
     """The name of the method (a function whose first parameter is ``self``) whose body holds
-    ``line``, not ``__init__``."""
-    for node in ast.walk(tree):
+    ``line``, not ``__init__``, in the file at ``path``."""
+    for node, _function in nodes(path, mtime):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.args.args \
                 and node.args.args[0].arg == "self" and node.name != "__init__" \
                 and node.lineno <= line <= (node.end_lineno or node.lineno):

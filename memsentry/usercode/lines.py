@@ -13,7 +13,7 @@ import ast
 import functools
 import linecache
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 #: Calls that grow a container in place.
 GROWING_METHODS = frozenset(
@@ -131,12 +131,14 @@ def growth_line(path: str | None, name: str, *, function_line: int | None = None
 @functools.lru_cache(maxsize=1024)
 def _growth_line(path: str, mtime: float | None, name: str, function_line: int | None
                  ) -> int | None:
-    tree = parse(path, mtime)
-    if tree is None:
-        return None
-    scope = enclosing(tree, function_line)
+    candidates: Iterable[tuple[ast.AST, str | None]]
+    if function_line is None:
+        candidates = nodes(path, mtime)
+    else:
+        tree = parse(path, mtime)
+        candidates = () if tree is None else walk_functions(enclosing(tree, function_line), None)
     best, line = 0.0, None
-    for node, function in walk_functions(scope, None):
+    for node, function in candidates:
         score: float = _score(node, name)
         lineno = getattr(node, "lineno", None)
         if lineno is None or not score:
@@ -148,13 +150,53 @@ def _growth_line(path: str, mtime: float | None, name: str, function_line: int |
     return line
 
 
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def children(node: ast.AST) -> list[ast.AST]:
+    """The nodes right under ``node``, in the order of its fields (as
+    :func:`ast.iter_child_nodes`, without its two generators per node)."""
+    found: list[ast.AST] = []
+    for field in node._fields:
+        value = getattr(node, field, None)
+        if isinstance(value, ast.AST):
+            found.append(value)
+        elif isinstance(value, list):
+            found.extend(item for item in value if isinstance(item, ast.AST))
+    return found
+
+
 def walk_functions(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | None]]:
-    """Every node under ``node`` with the name of the function it is in."""
-    for child in ast.iter_child_nodes(node):
-        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
-            else function
+    """Every node under ``node``, depth first in source order, with the name of the function
+    it is in. One stack, not a generator per level: a node deep in a module is not handed up
+    through every level above it."""
+    pending = [(child, child.name if isinstance(child, _FUNCTIONS) else function)
+               for child in reversed(children(node))]
+    while pending:
+        child, inner = pending.pop()
         yield child, inner
-        yield from walk_functions(child, inner)
+        pending.extend((grand, grand.name if isinstance(grand, _FUNCTIONS) else inner)
+                       for grand in reversed(children(child)))
+
+
+@functools.lru_cache(maxsize=64)
+def nodes(path: str, mtime: float | None) -> tuple[tuple[ast.AST, str | None], ...]:
+    """Every node of the file at ``path`` with the function it is in (:func:`walk_functions`),
+    walked once for all the names asked about it; empty when it cannot be parsed."""
+    tree = parse(path, mtime)
+    return () if tree is None else tuple(walk_functions(tree, None))
+
+
+@functools.lru_cache(maxsize=64)
+def nodes_by_line(path: str, mtime: float | None) -> dict[int, tuple[ast.AST, ...]]:
+    """The nodes of the file at ``path`` by the line they start on, each line's in the order
+    of :func:`nodes` (callers must not change what they get)."""
+    lines: dict[int, list[ast.AST]] = {}
+    for node, _function in nodes(path, mtime):
+        lineno = getattr(node, "lineno", None)
+        if lineno is not None:
+            lines.setdefault(lineno, []).append(node)
+    return {line: tuple(found) for line, found in lines.items()}
 
 
 def register_line(path: str | None, hook: str) -> int | None:
