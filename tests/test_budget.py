@@ -154,6 +154,9 @@ def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPa
     assert again.credit < 0.01
     again.close()
     assert not untracked.running
+    # watch()'s budget is 1% of the loop's time: its credit is 1% of the start, not 5%
+    assert Budget(0.01, credit=3.0).credit == pytest.approx(0.03)
+    assert Budget(0.05, credit=30.0).credit == pytest.approx(0.5)  # 10 s of it at most
 
 
 def test_judging_and_measuring_share_one_account() -> None:

@@ -19,10 +19,11 @@ of work are paid from it.
   account held counts its remaining calls instead of measuring them.
 
 A program's start (Python, importing torch: 1 to 3 s on this project's machines) is part of
-its wall time, so judging has a credit of :data:`STARTUP_SHARE` of the time the process ran
-untracked since it began or since the last tracking ended (:data:`STARTUP_CREDIT` seconds of
-it at most): the first censuses of a short run are paid for at once, and the whole program
-stays within 1.1 times its time without memsentry, however many trackers it runs.
+its wall time, so judging has a credit of :data:`STARTUP_SHARE` (or the budget's own share
+when smaller: ``watch()``'s 1%) of the time the process ran untracked since it began or since
+the last tracking ended (:data:`STARTUP_CREDIT` seconds of it at most): the first censuses of
+a short run are paid for at once, and the whole program stays within 1.1 times its time
+without memsentry, however many trackers it runs.
 Measuring never spends the credit.
 
 So whatever the step size, memsentry's time stays near ``share`` of the loop's, and a loop of
@@ -125,7 +126,7 @@ class Budget:
         self.credit = 0.0  # seconds memsentry may spend before the loop earned any
         self.reserved = 0.0  # put aside for a census that waits for the account
         if credit is not None:
-            self.credit = STARTUP_SHARE * min(credit, STARTUP_CREDIT)
+            self.credit = self._credit_for(credit)
         self._open = False
         self._seconds = dict.fromkeys(LEDGER, 0.0)
         self._events = dict.fromkeys(LEDGER, 0)
@@ -145,7 +146,12 @@ class Budget:
             self._open = True
             untracked = UNTRACKED.begin()
             if self._given is None:
-                self.credit = STARTUP_SHARE * min(untracked, STARTUP_CREDIT)
+                self.credit = self._credit_for(untracked)
+
+    def _credit_for(self, untracked: float) -> float:
+        """The judging credit for ``untracked`` seconds before tracking began."""
+        share = STARTUP_SHARE if self.share is None else min(STARTUP_SHARE, self.share)
+        return share * min(untracked, STARTUP_CREDIT)
 
     def close(self) -> None:
         if self._open:

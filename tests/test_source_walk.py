@@ -1,0 +1,59 @@
+"""Walking the user's source: one pass over a file answers every name asked about it, in the
+order and with the enclosing functions a plain recursive walk gives."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import memsentry
+from memsentry.usercode.lines import growth_line, mtime, nodes, nodes_by_line, walk_functions
+
+SOURCES = sorted(Path(memsentry.__file__).parent.rglob("*.py"))
+
+
+def _recursive(node: ast.AST, function: str | None) -> Iterator[tuple[ast.AST, str | None]]:
+    for child in ast.iter_child_nodes(node):
+        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) \
+            else function
+        yield child, inner
+        yield from _recursive(child, inner)
+
+
+@pytest.mark.parametrize("path", SOURCES[::7], ids=lambda p: p.name)
+def test_the_walk_is_the_recursive_walk(path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    walked = [(id(node), function) for node, function in walk_functions(tree, None)]
+    assert walked == [(id(node), function) for node, function in _recursive(tree, None)]
+    assert len(walked) > 50  # a real module, not an empty one
+
+
+def test_nodes_by_line_keep_the_walk_order(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "history = []\n"
+        "def train(model, batches):\n"
+        "    for x in batches:\n"
+        "        loss = model(x).sum(); history.append(loss)\n"
+        "    def inner():\n"
+        "        history.extend([1])\n"
+        "    return inner\n", encoding="utf-8")
+    path = str(script)
+    every = nodes(path, mtime(path))
+    by_line = nodes_by_line(path, mtime(path))
+    assert [n for n, _f in every if getattr(n, "lineno", None) == 4] == list(by_line[4])
+    assert {f for n, f in every if getattr(n, "lineno", None) == 6} == {"inner"}
+    # the growing statement wins over the binding, whichever name is asked first
+    assert growth_line(path, "loss") == 4
+    assert growth_line(path, "history") == 4
+    assert growth_line(path, "history", function_line=5) == 6
+
+
+def test_an_unreadable_file_has_no_nodes(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n", encoding="utf-8")
+    assert nodes(str(broken), mtime(str(broken))) == ()
+    assert growth_line(str(broken), "x") is None
