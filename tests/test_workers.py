@@ -77,6 +77,10 @@ def test_each_worker_is_followed_beside_the_process(every_fetch: None) -> None:
         assert last.private - first.private > 2 * 1024 * 1024
         assert [s.seconds for s in worker.samples] == sorted(s.seconds for s in worker.samples)
     assert report.process and all(s.rss > 0 for s in report.process)
+    # The readings ran inside the batch fetches: their time is memsentry's, in its budget.
+    assert report.cost is not None
+    reading = report.cost.part("workers")
+    assert reading.events >= 3 and 0 < reading.seconds < report.cost.own_seconds
     again = memsentry.Report.from_dict(report.to_dict())
     assert again.workers == report.workers and again.process == report.process
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memsentry.model import Boundary, IterationStats
+from memsentry.record import workers
 from memsentry.record.backward import BackwardTimer
-from memsentry.record.budget import ANALYSIS, BOUNDARIES, PARTS, Budget
+from memsentry.record.budget import ANALYSIS, BOUNDARIES, PARTS, WORKERS, Budget
 from memsentry.record.coverage import Coverage
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.growth import GrowthEvidence
@@ -77,6 +78,7 @@ class Boundaries:
         self._close_cost = 0.0  # seconds the last light iteration's closing took
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
+        self._workers_read = workers.reading_seconds()  # charged to the budget up to here
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
         """Whether the boundary ``event`` only counts an iteration: in a run of bare light
@@ -104,6 +106,10 @@ class Boundaries:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
         began = time.perf_counter()
+        read = workers.reading_seconds()  # the workers' readings ran in this iteration's time
+        if read > self._workers_read:
+            self._budget.charge(WORKERS, read - self._workers_read)
+            self._workers_read = read
         if self._budget.light and not merge and boundary != Boundary.EXIT:
             census = self._close_light(boundary, began)
             light = True

@@ -44,15 +44,16 @@ SAVED = "saved tensors"
 BACKWARD = "backward hooks"
 BOUNDARIES = "boundaries"
 PARTS = "parts"
+WORKERS = "workers"  # reading the DataLoader workers' memory (inside the batch fetches)
 CENSUSES = "censuses"
 ANALYSIS = "analysis"
-LEDGER = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, CENSUSES, ANALYSIS)
+LEDGER = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, WORKERS, CENSUSES, ANALYSIS)
 #: Seconds of the program's life before tracking began that the censuses' account is
 #: credited for, at most, and the share of them it may spend.
 STARTUP_CREDIT = 10.0
 STARTUP_SHARE = 0.05
 #: What measuring and judging are charged to.
-MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS)
+MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, WORKERS)
 JUDGING = (CENSUSES, ANALYSIS)
 #: Iterations sampled whatever they cost, so every layer has figures from the start.
 SAMPLED_FIRST = 3

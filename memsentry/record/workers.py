@@ -62,6 +62,7 @@ _workers: dict[int, _Process] = {}
 _datasets: dict[int, tuple[Any, int, int]] = {}
 _main = _Process(os.getpid(), -1, 0, "")
 _due = 0.0  # when the next round of readings is due (time.perf_counter())
+_spent = 0.0  # seconds all rounds of readings took (charged to the trackers' budgets)
 _counted = 0  # loaders numbered (one per dataset)
 
 
@@ -138,7 +139,7 @@ def _number(dataset: Any) -> tuple[int, int]:
 
 def sample() -> None:
     """One round of readings: the tracked process and every worker still running."""
-    global _due
+    global _due, _spent
     began = time.perf_counter()
     with _lock:
         if _main.pid != os.getpid():  # a forked child that tracks on its own
@@ -149,6 +150,14 @@ def sample() -> None:
                 process.read(began)
     spent = time.perf_counter() - began
     _due = began + max(MIN_INTERVAL, spent / SHARE)
+    _spent += spent
+
+
+def reading_seconds() -> float:
+    """Seconds every round of readings took so far in this process: a tracker charges what
+    it grew by since its last look to its budget (the readings run inside batch fetches,
+    within its iterations' time)."""
+    return _spent
 
 
 def _samples(process: _Process, since: float) -> tuple[ProcessSample, ...]:
