@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import memsentry
 from memsentry.usercode.lines import growth_line, mtime, nodes, nodes_by_line, walk_functions
@@ -57,3 +59,27 @@ def test_an_unreadable_file_has_no_nodes(tmp_path: Path) -> None:
     broken.write_text("def f(:\n", encoding="utf-8")
     assert nodes(str(broken), mtime(str(broken))) == ()
     assert growth_line(str(broken), "x") is None
+
+
+def test_a_census_does_not_walk_memsentrys_own_caches() -> None:
+    # This module holds `nodes`, memsentry's cache of walked source; once it keeps 64 files
+    # (hundreds of thousands of nodes) a census that walked it stopped at its time budget
+    # and named no holder. It is memsentry's state, not the program's: left alone.
+    for path in SOURCES[:64]:
+        nodes(str(path), mtime(str(path)))
+    assert nodes.cache_info().currsize >= 64
+    model = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(7):
+            out = model(torch.randn(8, 16))
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(out)
+    report = t.report()
+    assert not [n for n in report.notes if "stopped at its" in n]
+    leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+    assert [f.rule for f in leaks] == ["tensor-accumulation"]
+    assert "`kept`" in leaks[0].message

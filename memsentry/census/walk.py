@@ -38,6 +38,9 @@ from memsentry.census.tally import Holder, Item, SourceHint, Tally
 from memsentry.model import HolderKind, Scope, ScopeKind, Step, StepKind
 from memsentry.usercode.frames import is_user_class, root_package, source_file
 
+#: The packages whose caches a census leaves alone: memsentry's own.
+_OWN_PACKAGES = frozenset({"memsentry", "pytest_memsentry"})
+
 #: Objects never walked into: code, functions, classes, optimizers, autograd nodes.
 OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
           types.FrameType, types.CodeType, types.GeneratorType, types.CoroutineType,
@@ -168,7 +171,11 @@ class Walk:
 
     def _visit_cache(self, item: Item, cache: Any) -> None:
         """A ``functools`` cache: its entries belong to the cached function's holder, whose
-        line is the function's ``def``."""
+        line is the function's ``def``. memsentry's own caches (the user's parsed source,
+        thousands of nodes a file) keep none of the user's memory and are not walked."""
+        wrapped = getattr(cache, "__wrapped__", None)
+        if root_package(getattr(wrapped, "__module__", None)) in _OWN_PACKAGES:
+            return
         if not item.frozen:
             self.tally.container(item.path, *cache_size(cache), "lru_cache")
             code = getattr(getattr(cache, "__wrapped__", None), "__code__", None)

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memsentry.model import Boundary, IterationStats
-from memsentry.record import workers
 from memsentry.record.backward import BackwardTimer
 from memsentry.record.budget import ANALYSIS, BOUNDARIES, PARTS, WORKERS, Budget
 from memsentry.record.coverage import Coverage
@@ -30,6 +29,7 @@ from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import FIRST_CENSUS, CensusSchedule, census_due
 from memsentry.record.signals import Signals
 from memsentry.record.timeline import IterationClock, Timeline
+from memsentry.record.workers import reading_seconds
 
 if TYPE_CHECKING:
     from torch import nn
@@ -78,7 +78,7 @@ class Boundaries:
         self._close_cost = 0.0  # seconds the last light iteration's closing took
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
-        self._workers_read = workers.reading_seconds()  # charged to the budget up to here
+        self._workers_read = reading_seconds()  # charged to the budget up to here
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
         """Whether the boundary ``event`` only counts an iteration: in a run of bare light
@@ -106,7 +106,7 @@ class Boundaries:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
         began = time.perf_counter()
-        read = workers.reading_seconds()  # the workers' readings ran in this iteration's time
+        read = reading_seconds()  # the workers' readings ran in this iteration's time
         if read > self._workers_read:
             self._budget.charge(WORKERS, read - self._workers_read)
             self._workers_read = read
