@@ -178,7 +178,7 @@ class Walk:
             return
         if not item.frozen:
             self.tally.container(item.path, *cache_size(cache), "lru_cache")
-            code = getattr(getattr(cache, "__wrapped__", None), "__code__", None)
+            code = getattr(wrapped, "__code__", None)
             if code is not None:
                 item.hint = SourceHint(item.hint.name, (code.co_filename,),
                                        fallback_line=code.co_firstlineno)

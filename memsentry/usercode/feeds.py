@@ -146,12 +146,9 @@ def feeding_call(method_file: str | None, line: int | None, caller_file: str | N
 @functools.lru_cache(maxsize=256)
 def _feeding_call(method_file: str, method_mtime: float | None, line: int, caller_file: str,
                   caller_mtime: float | None, root: str) -> Feed | None:
-    tree = parse(method_file, method_mtime)
+    method = _method_at(method_file, method_mtime, line)  # None too when it cannot be parsed
     callers = parse(caller_file, caller_mtime)
-    if tree is None or callers is None:
-        return None
-    method = _method_at(method_file, method_mtime, line)
-    if method is None:
+    if method is None or callers is None:
         return None
     for node in ast.walk(callers):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
