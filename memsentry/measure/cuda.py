@@ -73,8 +73,8 @@ def read_pinned() -> PinnedMemory | None:
         return None
     try:
         stats = reader()
-        pinned = PinnedMemory(held=int(stats["allocated_bytes.current"]),
-                              in_use=int(stats["active_bytes.current"]),
+        held, in_use = int(stats["allocated_bytes.current"]), int(stats["active_bytes.current"])
+        pinned = PinnedMemory(held=held, in_use=in_use if in_use <= held else None,
                               peak=int(stats["allocated_bytes.peak"]),
                               blocks=int(stats["allocations.current"]))
     except (RuntimeError, KeyError, TypeError, ValueError):  # a torch that names them otherwise

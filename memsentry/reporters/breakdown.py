@@ -35,12 +35,17 @@ def layer_share(layer: LayerStats, peak: Breakdown | None) -> str:
 
 def pinned_line(pinned: PinnedMemory) -> str:
     """The pinned host allocator's figures, in words."""
+    blocks = f"{pinned.blocks:,} block{'s' if pinned.blocks != 1 else ''}"
+    if pinned.in_use is None:
+        in_use = ("the part of it in use not known (torch counted more bytes in use than the "
+                  "allocator holds)")
+    else:
+        in_use = f"{format_bytes(pinned.in_use)} of it in use"
     return (f"Pinned host memory (page-locked RAM, not in the device's figures): "
-            f"{format_bytes(pinned.held)} held by PyTorch's pinned allocator in "
-            f"{pinned.blocks:,} block{'s' if pinned.blocks != 1 else ''}, "
-            f"{format_bytes(pinned.in_use)} of it in use, at most {format_bytes(pinned.peak)} "
-            "(each request rounded up to a power of two; DataLoader(pin_memory=True) holds "
-            "about prefetch_factor x num_workers batches)")
+            f"{format_bytes(pinned.held)} held by PyTorch's pinned allocator in {blocks}, "
+            f"{in_use}, at most {format_bytes(pinned.peak)} (each request rounded up to a power "
+            "of two; DataLoader(pin_memory=True) holds about prefetch_factor x num_workers "
+            "batches)")
 
 
 def _share(value: int, total: int) -> str:
