@@ -42,14 +42,15 @@ def _every_call_measured(request: pytest.FixtureRequest,
     """Tests judge memory and behaviour, not timing: how much of the loop's time measuring
     takes depends on the machine's load, so outside the tests of memsentry's cost budget
     (marked ``in_turn``) the time below which every call is measured, the iterations always
-    sampled and the censuses' credit are raised out of reach: every iteration is sampled,
-    every census taken when due.
+    sampled (and the time they may spend measuring) and the censuses' credit are raised out
+    of reach: every iteration is sampled and measured in full, every census taken when due.
     """
     if request.node.get_closest_marker("in_turn") is None:
         from memsentry.record import budget, coverage
 
         monkeypatch.setattr(coverage, "FLOOR", 3600.0)
         monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
+        monkeypatch.setattr(budget, "FIRST_FLOOR", 3600.0)
         monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
         monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
 
@@ -61,6 +62,7 @@ def ample_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     from memsentry.record import budget
 
     monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
+    monkeypatch.setattr(budget, "FIRST_FLOOR", 3600.0)
     monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
     monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
 

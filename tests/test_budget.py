@@ -4,6 +4,9 @@ the results stay bit for bit what they were, and the report says what was thinne
 
 from __future__ import annotations
 
+import time
+import types
+
 import pytest
 import torch
 from test_coverage import make_model, train
@@ -172,12 +175,20 @@ def test_judging_and_measuring_share_one_account() -> None:
     assert budget.bank == pytest.approx(0.0)
 
 
-def test_a_sampled_iteration_that_overdraws_stops_measuring() -> None:
+def test_a_sampled_iteration_that_overdraws_stops_measuring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]  # the budget's clock, moved by hand
+    monkeypatch.setattr(budget_module, "time",
+                        types.SimpleNamespace(perf_counter=lambda: now[0],
+                                              monotonic=time.monotonic))
     budget = Budget(0.1, credit=0.0)
-    for _ in range(3):  # the first three are measured whatever they cost
-        budget.charge(budget_module.HOOKS, 0.05)
+    for _ in range(3):  # the first three are sampled whatever the account holds, but stop
+        now[0] += 0.2  # measuring past a quarter of the loop's own time in them so far
+        budget.charge(budget_module.HOOKS, 0.04)  # 40 ms of 200: the loop's own is 160
         assert not budget.overdrawn()
-        budget.end_iteration(0.1)
+        budget.charge(budget_module.HOOKS, 0.02)  # 60 ms of 200: over a quarter of 140
+        assert budget.overdrawn()
+        budget.end_iteration(0.2)
     while budget.light:  # the account refills
         budget.end_iteration(0.1)
     assert not budget.overdrawn()
@@ -187,3 +198,79 @@ def test_a_sampled_iteration_that_overdraws_stops_measuring() -> None:
     # That iteration stopped half way: its cost says only that a whole one costs more, so
     # the price of the next sampled iteration does not fall.
     assert budget.short() > 0
+
+
+def test_long_first_iterations_measure_each_layer_and_count_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Episodes of 100 forwards of a small policy, the first iterations allowed no time for
+    measuring (as when each read of a fragmented heap takes 100 us and more): they still
+    measure every layer, but count its other calls instead of measuring each; the results
+    stay bit for bit, and a list kept across episodes is still named."""
+    monkeypatch.setattr(budget_module, "FIRST_SHARE", 0.0)
+    monkeypatch.setattr(budget_module, "FIRST_FLOOR", 0.0)
+
+    def episodes(policy: nn.Module, kept: list[torch.Tensor]) -> list[float]:
+        opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(10):
+            total = sum(policy(torch.randn(1, 4)).sum() for _ in range(100))
+            assert isinstance(total, torch.Tensor)
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            losses.append(total.item())
+            kept.append(torch.randn(32 * 1024))  # 128 KiB an episode, kept
+        return losses
+
+    def policy() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    plain = episodes(policy(), [])
+    model, kept_outputs = policy(), []  # type: ignore[var-annotated]
+    with memsentry.track(model, on_leak="ignore") as t:
+        tracked = episodes(model, kept_outputs)
+    assert tracked == plain
+    report = t.report()
+    layers = [layer for layer in report.layers if layer.type in {"Linear", "ReLU"}]
+    # Each layer has figures; the three sampled episodes ran each of them 100 times or more.
+    assert len(layers) == 3 and all(layer.forward_peak is not None for layer in layers)
+    assert all(layer.calls >= 200 and 1 <= layer.measured_calls <= 10 for layer in layers), [
+        (layer.name, layer.calls, layer.measured_calls) for layer in layers]
+    leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+    assert any("`kept` (a local of episodes()" in f.message for f in leaks)
+
+
+def test_first_iterations_that_stop_measuring_still_count_the_activations(
+        monkeypatch: pytest.MonkeyPatch, ample_budget: None) -> None:
+    """A loop that keeps each step's validation forward with its graph (its activations
+    pile up): first iterations that stopped measuring at once still put those activations
+    in the breakdown, as iterations that measured every call do. (Every iteration is one of
+    the first here, sampled whatever the account holds.)"""
+
+    def run(first_share: float) -> memsentry.Report:
+        monkeypatch.setattr(budget_module, "FIRST_SHARE", first_share)
+        monkeypatch.setattr(budget_module, "FIRST_FLOOR", 0.0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        x_val = torch.randn(256, 16)
+        val_logits = []
+        with memsentry.track(model, on_leak="ignore", holders=False) as t:
+            for _ in range(4):
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                val_logits.append(model(x_val))  # with its graph: 13 layers' activations
+        return t.report()
+
+    cut, whole = run(0.0), run(1e9)
+    # At each optimizer step's peak, the validation graphs kept so far: about 96 KiB each.
+    counted = [b.activations for b in cut.breakdown.iterations[1:4]]
+    measured = [b.activations for b in whole.breakdown.iterations[1:4]]
+    assert measured[-1] > 3 * 96 * 1024
+    assert all(abs(c - m) <= 2048 for c, m in zip(counted, measured, strict=True)), (
+        counted, measured)
+    assert all(layer.measured_calls < layer.calls for layer in cut.layers
+               if layer.type == "Linear")  # the cut run measured fewer calls

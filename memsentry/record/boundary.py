@@ -248,7 +248,7 @@ class Boundaries:
         remember_store()  # a script may destroy its process group before the block ends
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
-            self._budget.end_iteration(seconds, iterations)
+            self._budget.end_iteration(seconds, iterations, began=now)
         self._forward.hooks.follow(bare=self._bare(), lean=self._lean())
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).

@@ -17,6 +17,13 @@ of work are paid from it.
   *light*: only its boundaries are read, some of them, and no module keeps a hook (or only
   the module whose calls end its iterations). A sampled iteration that spends more than the
   account held counts its remaining calls instead of measuring them.
+- The first :data:`SAMPLED_FIRST` iterations are sampled whatever the account holds, so that
+  every layer has figures from the start; but once measuring in one of them has taken more
+  than :data:`FIRST_SHARE` of the loop's own time in it so far (and more than
+  :data:`FIRST_FLOOR`), it measures only the calls of layers never measured and counts the
+  others. An episode of 200 small forwards, or a model of 2,000 layers on a heap where each
+  read of ``mallinfo2()`` takes 100 us, would otherwise cost several times its own time in
+  each of them.
 
 A program's start (Python, importing torch: 1 to 3 s on this project's machines) is part of
 its wall time, so judging has a credit of :data:`STARTUP_SHARE` (or the budget's own share
@@ -55,8 +62,12 @@ STARTUP_SHARE = 0.05
 #: What measuring and judging are charged to.
 MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, WORKERS)
 JUDGING = (CENSUSES, ANALYSIS)
-#: Iterations sampled whatever they cost, so every layer has figures from the start.
+#: Iterations sampled whatever the account holds, so every layer has figures from the start.
 SAMPLED_FIRST = 3
+#: In those, measuring stops at layers already measured once memsentry's own time in the
+#: iteration is over this share of the loop's own time in it so far, and over the floor.
+FIRST_SHARE = 0.25
+FIRST_FLOOR = 2e-3
 #: How the price of a sampled iteration falls back after a dear one: by this factor at each
 #: sampled iteration that cost less.
 SAMPLED_DECAY = 0.8
@@ -140,6 +151,8 @@ class Budget:
         self._sampled_cost = 0.0  # own seconds a sampled iteration may cost (see below)
         self._cut = False  # the running sampled iteration stopped measuring (overdrawn)
         self._light_cost = 0.0  # own seconds of the last light one
+        self._began = time.perf_counter()  # when the running iteration began
+        self._judged_began = 0.0  # what judging had spent then
 
     def open(self) -> None:
         """Tracking begins: the judging account is credited for the untracked time before."""
@@ -148,6 +161,7 @@ class Budget:
             untracked = UNTRACKED.begin()
             if self._given is None:
                 self.credit = self._credit_for(untracked)
+            self._began = time.perf_counter()
 
     def _credit_for(self, untracked: float) -> float:
         """The judging credit for ``untracked`` seconds before tracking began."""
@@ -193,23 +207,43 @@ class Budget:
         return self.held - max(0.0, self.credit - self.judged) - self.reserved
 
     def overdrawn(self) -> bool:
-        """Whether a sampled iteration (past the first ones, always measured) has spent
-        more than the budget held: its remaining calls are counted, not measured (an
-        episode far longer than the last one sampled). Marks the iteration as cut, so that
-        its cost does not lower the price of the next sampled one."""
-        if self.share is None or self.iterations < SAMPLED_FIRST or self.bank >= 0:
+        """Whether a sampled iteration has spent more than it may: past the first ones, more
+        than the budget held (an episode far longer than the last one sampled); in the first
+        ones, more than :data:`FIRST_SHARE` of the loop's own time in it so far. Its calls of
+        layers already measured are then counted, not measured. Marks the iteration as cut,
+        so that its cost does not lower the price of the next sampled one."""
+        if self.share is None:
+            return False
+        if self.first:
+            own = self._inside
+            if own <= FIRST_FLOOR:
+                return False
+            loop = max(0.0, time.perf_counter() - self._began - own
+                       - (self.judged - self._judged_began))
+            if own <= FIRST_SHARE * loop:
+                return False
+        elif self.bank >= 0:
             return False
         self._cut = True
         return True
+
+    @property
+    def first(self) -> bool:
+        """Whether the running iteration is one of the first, sampled whatever the account
+        holds."""
+        return self.iterations < SAMPLED_FIRST
 
     def afford(self, seconds: float) -> bool:
         """Whether judging (a census, the rules after it) can spend ``seconds`` now."""
         return self.held >= seconds
 
     # -- iterations ----------------------------------------------------------------------
-    def end_iteration(self, seconds: float, iterations: int = 1) -> None:
+    def end_iteration(self, seconds: float, iterations: int = 1, *,
+                      began: float | None = None) -> None:
         """The running iteration (or ``iterations`` light ones) ended after ``seconds`` of
-        clocked time; decides whether the next one is sampled."""
+        clocked time; decides whether the next one is sampled. ``began``: when the next one
+        began on the iteration clock (``time.perf_counter()``; the boundary's own work,
+        charged after this call, is inside it); now when not given."""
         own = self._inside
         self._inside = 0.0
         self.loop += max(0.0, seconds - own)
@@ -226,6 +260,8 @@ class Budget:
             self._sampled_cost = max(own, decay * self._sampled_cost)
         self._cut = False
         self.light = not (self.iterations < SAMPLED_FIRST or self.short() <= 0)
+        self._began = time.perf_counter() if began is None else began
+        self._judged_began = self.judged
 
     def merged(self, iterations: int, sampled: int) -> None:
         """``iterations`` ended iterations, ``sampled`` of them sampled, were parts of the one

@@ -64,16 +64,23 @@ class Coverage:
         it already knows is measured, only its boundaries."""
         return self.budget.light
 
-    def measures(self, index: int) -> bool:
-        """Whether the call of layer ``index`` is measured in this iteration."""
+    def measures(self, index: int, first: bool = False) -> bool:
+        """Whether the call of layer ``index`` is measured in this iteration; ``first``: no
+        call of that layer was measured yet (an iteration that overdrew still measures it)."""
         if index >= self.layers:
             return True  # a layer first seen in this iteration is measured
-        if self.budget.light or self.budget.overdrawn():
+        if self.budget.light or (self.budget.overdrawn() and not first):
             return False
         inside = self.size >= self.layers or (index - self.offset) % self.layers < self.size
         if not inside:
             self.skipped += 1
         return inside
+
+    def reads_parts(self, index: int) -> bool:
+        """Whether an iteration whose outermost call is of layer ``index`` reads the parts:
+        when that call is measured; in the first iterations, always (they stop measuring
+        calls past their share, not reading the parts)."""
+        return self.measures(index, self.budget.first)
 
     def window(self) -> set[int] | None:
         """The layers measured in this iteration (``None``: all)."""

@@ -187,7 +187,7 @@ class ForwardRecorder:
             lambda: spelled_name(module, frame))
         coverage = self.coverage
         coverage.calls += 1
-        measured = coverage.measures(record.index)
+        measured = coverage.measures(record.index, not record.measured)
         if not measured and (parent is not None or coverage.light):
             self._clock.module_called(args, outermost=parent is None)
             if parent is None:  # on the stack, so that the calls inside it know their parent
@@ -204,7 +204,11 @@ class ForwardRecorder:
             self.hooks.anchors.add(record.index)
         else:
             parent.is_leaf = False
-        pushed = measured and self._saved and self.saved.push(record.name)
+        # An outermost call left unmeasured in a sampled iteration that reads the parts (the
+        # first iterations stopped measuring) still has its saved tensors counted, cheaply:
+        # they are the activations of the iteration's breakdown.
+        counted = parent is None and self._parts.due
+        pushed = (measured or counted) and self._saved and self.saved.push(record.name)
         foreign = self.saved.foreign_hooks(record.name) if measured and self._saved else None
         allocated = self._sampler.sample() if measured else self._sampler.last
         self._clock.module_called(args, outermost=parent is None)

@@ -148,7 +148,7 @@ class Parts:
             self._params = []  # read everything again, this module's parameters with it
         if not first:
             return
-        self.due = root is None or coverage.measures(root.index)
+        self.due = root is None or coverage.reads_parts(root.index)
         if self.due:
             started = time.perf_counter()
             if self._params:
