@@ -16,20 +16,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-
-{
-    date -u +"%Y-%m-%d %H:%M UTC"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
-} 2>&1 | tee "$OUT/machine.txt"
-
-# An editable install registers the pytest plugin and the console script; the machine has no
-# package index, so nothing but memsentry itself is installed.
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.txt" 2>&1 \
-    || { echo "install failed"; tail -20 "$OUT/machine.txt"; exit 1; }
+. benchmarks/gpu_machine.sh
 
 echo "== CUDA tests"
 timeout 240 "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" \

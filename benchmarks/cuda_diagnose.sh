@@ -13,17 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-diagnose-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-{
-    date -u +"%Y-%m-%d %H:%M UTC"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
-    nproc
-} 2>&1 | tee "$OUT/machine.txt"
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/machine.txt" 2>&1 \
-    || { echo "install failed"; tail -20 "$OUT/machine.txt"; exit 1; }
+. benchmarks/gpu_machine.sh
 SPY=""
 if ls .whl/py_spy-*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy-*.whl \
