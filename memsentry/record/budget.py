@@ -259,7 +259,7 @@ class Budget:
             decay = 1.0 if self._cut else SAMPLED_DECAY
             self._sampled_cost = max(own, decay * self._sampled_cost)
         self._cut = False
-        self.light = not (self.iterations < SAMPLED_FIRST or self.short() <= 0)
+        self.light = not (self.first or self.short() <= 0)
         self._began = time.perf_counter() if began is None else began
         self._judged_began = self.judged
 

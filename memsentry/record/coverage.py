@@ -69,7 +69,7 @@ class Coverage:
         call of that layer was measured yet (an iteration that overdrew still measures it)."""
         if index >= self.layers:
             return True  # a layer first seen in this iteration is measured
-        if self.budget.light or (self.budget.overdrawn() and not first):
+        if self.budget.light or (not first and self.budget.overdrawn()):
             return False
         inside = self.size >= self.layers or (index - self.offset) % self.layers < self.size
         if not inside:
