@@ -38,9 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost import LOOPS, Loop
-
-import memsentry
+from cost import LOOPS, MODES, Loop, _settle
 
 
 class Collections:
@@ -76,31 +74,24 @@ def _allocator(device: torch.device) -> dict[str, int]:
             ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
 
 
-def _settle(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_block(loop: Loop, mode: str, iterations: int, window: int,
               device: torch.device) -> dict[str, Any]:
+    """One block as ``cost.py`` runs it (the tool's start, the steps, its stop and report),
+    each step's end stamped."""
     stamps = [0.0] * (iterations + 1)
     collections = Collections()
+    out: dict[str, Any] = {}
     before = _allocator(device)
-    tracker = None
-    if mode == "track":
-        tracker = memsentry.track(loop.model, on_leak="ignore")
-    elif mode == "watch":
-        tracker = memsentry.watch(loop.model, on_leak="ignore")
-    _settle(device)
+    _settle(loop)
     wall0, thread0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
     with collections.installed():
-        with tracker if tracker is not None else contextlib.nullcontext():
+        with MODES[mode](loop, out) as step:
             stamps[0] = time.perf_counter()
             for index in range(1, iterations + 1):
-                loop.step()
+                step()
                 stamps[index] = time.perf_counter()
-            _settle(device)
-        report = tracker.report() if tracker is not None else None
+            _settle(loop)
+    report = out.get("report")
     wall = time.perf_counter() - wall0
     thread_cpu, process_cpu = time.thread_time() - thread0, time.process_time() - process0
     after = _allocator(device)
