@@ -248,3 +248,59 @@ def test_a_loop_of_autograd_grad_keeps_its_hooks_and_its_count() -> None:
             _hand_updated(model, step, grad=True)
     cost = t.report().cost
     assert cost is not None and cost.iterations == 600
+
+
+class Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(4, 64), nn.Linear(64, 2)
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.out(torch.relu(self.hidden(state))), dim=1)
+
+
+def _episodes(policy: Policy, count: int, *, keep: list[torch.Tensor] | None) -> None:
+    """``count`` episodes of 60 forwards each and one Adam step (REINFORCE's shape); with
+    ``keep``, each episode's loss is kept with its graph."""
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    for _ in range(count):
+        log_probs = []
+        for _ in range(60):
+            probs = policy(torch.randn(1, 4))
+            log_probs.append(torch.log(probs[0, 0]))
+        loss = -torch.stack(log_probs).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if keep is not None:
+            keep.append(loss)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_census_in_a_light_episode_leaves_its_other_forwards_unhooked(given: bool) -> None:
+    # A census waits for the first module call of the iteration after its boundary, so the
+    # hooks stayed on for the whole light episode after it: its 60 forwards all went through
+    # them (180 counted calls with the global hooks, 60 with the model's). Once the census
+    # is taken, the hooks come off as that first call ends; the leak is still found and
+    # named, and the weights are bit for bit the same.
+    torch.manual_seed(0)
+    plain = Policy()
+    _episodes(plain, 40, keep=[])
+    torch.manual_seed(0)
+    policy = Policy()
+    episode_losses: list[torch.Tensor] = []
+    # watch() with no model takes global hooks; track(model) hooks the model's modules
+    tracking = memsentry.track(policy, on_leak="ignore") if given else \
+        memsentry.watch(on_leak="ignore")
+    with tracking as t:
+        _episodes(policy, 40, keep=episode_losses)
+    assert all(torch.equal(a, b) for a, b in
+               zip(plain.state_dict().values(), policy.state_dict().values(), strict=True))
+    report = t.report()
+    light = {it.index: it.forward_calls for it in report.iterations if not it.sampled}
+    censused = [c.iteration + 1 for c in report.censuses if c.iteration + 1 in light]
+    assert censused, "no census fell in a light iteration"
+    assert all(light[index] <= 3 for index in censused)  # one forward's calls, then none
+    assert max(light.values()) <= 3
+    assert any(f.severity is memsentry.Severity.LEAK and f.subject is not None
+               and f.subject.name == "keep" for f in report.findings)

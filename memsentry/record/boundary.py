@@ -196,14 +196,20 @@ class Boundaries:
 
     def _bare(self) -> bool:
         """Whether the next iteration, light, can go without any module hook
-        (:mod:`memsentry.record.hooks`): its end comes from an optimizer step, ``t.step()``
-        or a backward pass the wrapped ``torch.autograd.backward`` sees end (each pass so far
-        was seen so), no census waits for its first module call, and no forward runs now."""
+        (:mod:`memsentry.record.hooks`): its end needs none (:meth:`ends_unhooked`), no
+        census waits for its first module call, and no forward runs now."""
+        return (self.ends_unhooked() and self._censuses.pending is None
+                and not self._forward.stack)
+
+    def ends_unhooked(self) -> bool:
+        """Whether the running iteration is light and its end comes from an optimizer step,
+        ``t.step()`` or a backward pass the wrapped ``torch.autograd.backward`` sees end (each
+        pass so far was seen so): no module hook is needed to close it. (A census pending
+        keeps the hooks on until its first module call has taken it.)"""
         signal = self._signals.signal
         ends = signal in (Boundary.OPTIMIZER, Boundary.STEP) or (
             signal is Boundary.BACKWARD and self._signals.passes_wrapped)
-        return (ends and self._budget.light and self._censuses.pending is None
-                and not self._forward.stack)
+        return ends and self._budget.light
 
     def _lean(self) -> nn.Module | None:
         """The one module the next iteration hooks, when it is light and the calls of the
@@ -223,6 +229,17 @@ class Boundaries:
         if self._backward is not None:
             self._backward.drop_hooks()
         self._roots.settle()
+
+    def census_at_call(self) -> float:
+        """The first outermost call of an iteration takes the census pending since its
+        boundary (if any); its seconds. When the census was all that kept this light
+        iteration's hooks on, they come off as the call ends (:meth:`_bare`): the hundreds of
+        forwards after it in an episode run with no hook."""
+        if self._censuses.pending is None:
+            return 0.0
+        spent = self._censuses.take_pending(**self._census_roots())
+        self._forward.unhook_after = self._censuses.pending is None and self.ends_unhooked()
+        return spent
 
     def _pending_census(self) -> float:
         """A census pending since the last boundary, when no module ran since; its seconds."""
@@ -249,6 +266,7 @@ class Boundaries:
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
             self._budget.end_iteration(seconds, iterations, began=now)
+        self._forward.unhook_after = False
         self._forward.hooks.follow(bare=self._bare(), lean=self._lean())
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).

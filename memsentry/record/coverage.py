@@ -52,7 +52,10 @@ class Coverage:
         self.since: int | None = None  # the first iteration measured in part
         self.busiest: tuple[float, float] | None = None  # (own cost, loop time) that shrank it
         self.narrowest = math.inf
-        self.skipped = 0  # calls left out of the window (the run ended before any: no note)
+        # Iterations that ran module calls with part of the layers in the window (the run
+        # may end before any: then no note). The calls of layers outside it are not counted:
+        # those layers' hooks are off (:mod:`memsentry.record.hooks`).
+        self.thinned = 0
 
     @property
     def full(self) -> bool:
@@ -71,10 +74,7 @@ class Coverage:
             return True  # a layer first seen in this iteration is measured
         if self.budget.light or (not first and self.budget.overdrawn()):
             return False
-        inside = self.size >= self.layers or (index - self.offset) % self.layers < self.size
-        if not inside:
-            self.skipped += 1
-        return inside
+        return self.size >= self.layers or (index - self.offset) % self.layers < self.size
 
     def reads_parts(self, index: int) -> bool:
         """Whether an iteration whose outermost call is of layer ``index`` reads the parts:
@@ -114,8 +114,10 @@ class Coverage:
         the budget (at most doubling at once), its start moved past this iteration's."""
         own = self.own + DISPATCH * self.calls
         self.budget.charge(HOOKS, DISPATCH * self.calls, self.calls)
-        self.own, self.calls = 0.0, 0
         was_full = self.size >= self.layers
+        if self.calls and not was_full and not self.budget.light:
+            self.thinned += 1
+        self.own, self.calls = 0.0, 0
         current = float(layers) if was_full else self.size
         self.layers = layers
         if self.overhead is None or index + 1 < FULL_FIRST or layers == 0 or self.budget.light:
@@ -141,7 +143,7 @@ class Coverage:
 
 def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
     """What the report says when layers were measured in turn (nothing when every call was)."""
-    if coverage.since is None or not coverage.skipped:
+    if coverage.since is None or not coverage.thinned:
         return []
     measured = [r for r in registry.records.values() if r.calls]
     fewest = min(measured, key=lambda r: (r.measured, r.index)) if measured else None

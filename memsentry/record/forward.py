@@ -126,6 +126,9 @@ class ForwardRecorder:
         self.hooks = ModuleHooks(coverage, registry, self.pre_forward, self.post_forward,
                                  self.scripted_pre, self.scripted_post)
         self.script_names: set[str] = set()
+        # Set when the census that kept a light iteration's hooks on was taken at its first
+        # call: the hooks go bare as that call ends (a boundary clears it).
+        self.unhook_after = False
 
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
         if module in self.hooks.scripted and not torch.compiler.is_compiling():
@@ -252,7 +255,10 @@ class ForwardRecorder:
             call = stack.pop()
         if not call.measured and not stack and self.coverage.light:  # its boundaries count
             record.calls += 1
-            if torch.is_grad_enabled():  # the end of its backward may close the iteration
+            if self.unhook_after:
+                self.unhook_after = False
+                self.hooks.follow(bare=True)
+            elif torch.is_grad_enabled():  # the end of its backward may close the iteration
                 self._roots.watch_light(record.name, not module.training, tensors_in(output),
                                         self._entry(module))
             self.coverage.aside(started)

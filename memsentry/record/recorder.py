@@ -287,8 +287,7 @@ class Recorder:
             self._signal(Boundary.FORWARD)
         self._parts.begin(self._coverage, module, self._registry.record_of(module),
                           first=not self._clock.calls)  # the first: after zero_grad()
-        if self._censuses.pending is not None:
-            self._clock.started += self._censuses.take_pending(**self._census_roots())
+        self._clock.started += self._boundaries.census_at_call()
         self._raise_pending()
 
     def _census_taken(self) -> None:
