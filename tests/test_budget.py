@@ -4,6 +4,7 @@ the results stay bit for bit what they were, and the report says what was thinne
 
 from __future__ import annotations
 
+import json
 import time
 import types
 
@@ -274,3 +275,33 @@ def test_first_iterations_that_stop_measuring_still_count_the_activations(
         counted, measured)
     assert all(layer.measured_calls < layer.calls for layer in cut.layers
                if layer.type == "Linear")  # the cut run measured fewer calls
+
+
+def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first three iterations measure every layer whatever the budget holds: on a model of
+    # many small modules that is most of a short run's time, and the report says so, with the
+    # ledger's seconds; a cheap model's report has no such note.
+    monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.0)  # any cost over the share
+    wide = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(150)])
+    optimizer = torch.optim.SGD(wide.parameters(), lr=1e-3)
+    with memsentry.track(wide, on_leak="ignore") as t:
+        for _ in range(6):
+            loss = wide(torch.randn(4, 8)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    report = t.report()
+    cost = report.cost
+    assert cost is not None and cost.first_seconds > 0 and cost.first_loop_seconds > 0
+    ran = cost.first_seconds + cost.first_loop_seconds
+    assert cost.first_seconds > 0.04 * ran  # 301 modules measured once: far over 4%
+    (note,) = [n for n in report.notes if n.startswith("The first 3 iterations")]
+    assert f"took {cost.first_seconds:.2f} s of the {ran:.2f} s they ran" in note
+    assert memsentry.Report.from_dict(json.loads(report.to_json())).cost == cost
+
+    monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.1)  # the default
+    model = make_model()
+    with memsentry.track(model, on_leak="ignore") as t:
+        train(model, 6)
+    assert not [n for n in t.report().notes if n.startswith("The first 3 iterations")]

@@ -28,7 +28,9 @@ class Cost:
     ``loop_seconds`` the loop's own time (iterations less memsentry's work in them);
     ``iterations`` the iterations ended, of which ``sampled`` were measured layer by layer
     (the others only at their boundaries); ``censuses_deferred`` the holder searches put off
-    until the budget could pay for them."""
+    until the budget could pay for them. ``first_seconds`` is memsentry's own time inside the
+    first iterations, which are measured whatever the budget holds, and
+    ``first_loop_seconds`` the loop's own time in them."""
 
     budget: float | None
     loop_seconds: float
@@ -36,6 +38,8 @@ class Cost:
     iterations: int = 0
     sampled: int = 0
     censuses_deferred: int = 0
+    first_seconds: float = 0.0
+    first_loop_seconds: float = 0.0
 
     @property
     def own_seconds(self) -> float:

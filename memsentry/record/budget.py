@@ -68,6 +68,9 @@ SAMPLED_FIRST = 3
 #: iteration is over this share of the loop's own time in it so far, and over the floor.
 FIRST_SHARE = 0.25
 FIRST_FLOOR = 2e-3
+#: memsentry's time in the first iterations (seconds) past which the report says what they
+#: cost, when that is over the budget's share of the loop's time in them.
+FIRST_NOTED = 0.1
 #: How the price of a sampled iteration falls back after a dear one: by this factor at each
 #: sampled iteration that cost less.
 SAMPLED_DECAY = 0.8
@@ -153,6 +156,7 @@ class Budget:
         self._light_cost = 0.0  # own seconds of the last light one
         self._began = time.perf_counter()  # when the running iteration began
         self._judged_began = 0.0  # what judging had spent then
+        self._first = (0.0, 0.0)  # own and loop seconds inside the first iterations
 
     def open(self) -> None:
         """Tracking begins: the judging account is credited for the untracked time before."""
@@ -247,6 +251,9 @@ class Budget:
         own = self._inside
         self._inside = 0.0
         self.loop += max(0.0, seconds - own)
+        if self.first:
+            spent, loop = self._first
+            self._first = (spent + own, loop + max(0.0, seconds - own))
         self.iterations += iterations
         if self.light:
             self._light_cost = own / iterations
@@ -280,7 +287,8 @@ class Budget:
             parts=tuple(PartCost(part, self._seconds[part], self._events[part])
                         for part in LEDGER),
             iterations=self.iterations, sampled=self.sampled,
-            censuses_deferred=self.deferred,
+            censuses_deferred=self.deferred, first_seconds=self._first[0],
+            first_loop_seconds=self._first[1],
         )
 
 
@@ -297,6 +305,15 @@ def budget_notes(cost: Cost) -> list[str]:
             f"{cost.iterations:,} iterations and read only the boundaries of the others, so "
             "the layer table comes from those iterations; the holder searches are whole. "
             "track(overhead=None) measures every iteration.")
+    ran = cost.first_seconds + cost.first_loop_seconds
+    if cost.first_seconds >= FIRST_NOTED and cost.first_seconds > cost.budget * ran:
+        notes.append(
+            f"The first {SAMPLED_FIRST} iterations are measured whatever the budget holds, so "
+            f"that every layer has figures from the start: memsentry's clocked work took "
+            f"{cost.first_seconds:.2f} s of the {ran:.2f} s they ran (PyTorch's calls into "
+            "its hooks come on top). Every layer is measured once in them; the other calls "
+            f"stop being measured once measuring took {FIRST_SHARE:.0%} of the loop's time. "
+            "That is paid once: a longer run spreads it.")
     if cost.censuses_deferred:
         notes.append(
             f"{cost.censuses_deferred:,} holder search(es) waited until the budget could pay "
