@@ -283,14 +283,9 @@ def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
     # many small modules that is most of a short run's time, and the report says so, with the
     # ledger's seconds; a cheap model's report has no such note.
     monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.0)  # any cost over the share
-    wide = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(150)])
-    optimizer = torch.optim.SGD(wide.parameters(), lr=1e-3)
+    wide = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(150)])
     with memsentry.track(wide, on_leak="ignore") as t:
-        for _ in range(6):
-            loss = wide(torch.randn(4, 8)).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        train(wide, 6)
     report = t.report()
     cost = report.cost
     assert cost is not None and cost.first_seconds > 0 and cost.first_loop_seconds > 0
