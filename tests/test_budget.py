@@ -282,6 +282,7 @@ def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
     # The first three iterations measure every layer whatever the budget holds: on a model of
     # many small modules that is most of a short run's time, and the report says so, with the
     # ledger's seconds; a cheap model's report has no such note.
+    default = budget_module.FIRST_NOTED
     monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.0)  # any cost over the share
     wide = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(150)])
     with memsentry.track(wide, on_leak="ignore") as t:
@@ -295,7 +296,7 @@ def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
     assert f"took {cost.first_seconds:.2f} s of the {ran:.2f} s they ran" in note
     assert memsentry.Report.from_dict(json.loads(report.to_json())).cost == cost
 
-    monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.1)  # the default
+    monkeypatch.setattr(budget_module, "FIRST_NOTED", default)
     model = make_model()
     with memsentry.track(model, on_leak="ignore") as t:
         train(model, 6)

@@ -4,6 +4,8 @@ modules outside the window, and the report saying so."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -109,6 +111,20 @@ def test_without_a_limit_every_call_is_measured(no_floor: None) -> None:
     assert {layer.calls for layer in report.layers} == {8}
 
 
+EndIteration = Callable[[coverage_module.Coverage, int, float, int], None]
+
+
+def _trained_through(monkeypatch: pytest.MonkeyPatch,
+                     end_iteration: EndIteration) -> memsentry.Report:
+    """The report of 8 steps of :func:`make_model` under ``track()``, each iteration's end
+    going through ``end_iteration`` (which calls the ``Coverage.end_iteration`` it wraps)."""
+    monkeypatch.setattr(coverage_module.Coverage, "end_iteration", end_iteration)
+    model = make_model()
+    with memsentry.track(model, on_leak="ignore") as t:
+        train(model, 8)
+    return t.report()
+
+
 def test_a_cheap_loop_is_measured_in_full(monkeypatch: pytest.MonkeyPatch,
                                           ample_budget: None) -> None:
     # The default limit with the floor: while measuring costs under 2 ms an iteration (a small
@@ -124,11 +140,7 @@ def test_a_cheap_loop_is_measured_in_full(monkeypatch: pytest.MonkeyPatch,
             over.append((index, own > allowed))
         original(self, index, seconds, layers)
 
-    monkeypatch.setattr(coverage_module.Coverage, "end_iteration", spy)
-    model = make_model()
-    with memsentry.track(model, on_leak="ignore") as t:
-        train(model, 8)
-    report = t.report()
+    report = _trained_through(monkeypatch, spy)
     assert over
     # Narrowing after an iteration applies to the next: over the limit in the last of the 8
     # iterations (index 7) alone leaves every call measured.
@@ -154,11 +166,7 @@ def test_measuring_in_turn_from_the_last_iteration_on_is_said(
             seconds += 7201.0
         original(self, index, seconds, layers)
 
-    monkeypatch.setattr(coverage_module.Coverage, "end_iteration", costly)
-    model = make_model()
-    with memsentry.track(model, on_leak="ignore") as t:
-        train(model, 8)
-    report = t.report()
+    report = _trained_through(monkeypatch, costly)
     assert {layer.calls for layer in report.layers} != {8}
     (note,) = [n for n in report.notes if "in turn" in n]
     assert "in iteration 6" in note and "From iteration 7" in note

@@ -237,7 +237,7 @@ class Boundaries:
         forwards after it in an episode run with no hook."""
         if self._censuses.pending is None:
             return 0.0
-        spent = self._censuses.take_pending(**self._census_roots())
+        spent = self._pending_census()
         self._forward.unhook_after = self._censuses.pending is None and self.ends_unhooked()
         return spent
 
