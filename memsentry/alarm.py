@@ -19,14 +19,14 @@ later:
 
 The report file (``report_path``) is written whole to a temporary file beside it and moved in
 place (:func:`os.replace`), at every new finding (said or not yet) and every
-:data:`REWRITE_SECONDS`, so a reader never sees half a file.
+:data:`REWRITE_SECONDS`, so a reader never sees half a file. A write that fails (a full disk)
+leaves the last whole report there, is noted in the report and warned once (a
+``RuntimeWarning`` at the user's line), and the run goes on.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 import types
 import warnings
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from memsentry.errors import LeakError, LeakWarning
 from memsentry.model import Finding, ReportData, Severity
+from memsentry.paths import replace_text
 from memsentry.usercode.frames import is_machinery_frame
 from memsentry.usercode.text import printable
 
@@ -76,13 +77,14 @@ def finding_key(finding: Finding) -> tuple[str, str]:
     return finding.rule, "" if subject is None else repr(subject)
 
 
-def warn_at_user_line(text: str) -> None:
-    """A :class:`~memsentry.LeakWarning` located at the innermost line of the user's code."""
+def warn_at_user_line(text: str, category: type[Warning] = LeakWarning) -> None:
+    """A warning (by default a :class:`~memsentry.LeakWarning`) located at the innermost line
+    of the user's code."""
     frame = _user_frame()
     if frame is None:
-        warnings.warn(LeakWarning(text), stacklevel=2)
+        warnings.warn(category(text), stacklevel=2)
         return
-    warnings.warn_explicit(LeakWarning(text), LeakWarning, frame.f_code.co_filename,
+    warnings.warn_explicit(category(text), category, frame.f_code.co_filename,
                            frame.f_lineno or 0, module=frame.f_globals.get("__name__"),
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
@@ -94,37 +96,10 @@ def _user_frame() -> types.FrameType | None:
     return frame
 
 
-def _umask() -> int:
-    """The process's file mode mask: from ``/proc/self/status`` where Linux has it (reading
-    it so changes nothing), else by setting it and putting it back."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_atomically(report: Report, path: str) -> None:
-    """``report`` as JSON to ``path``, through a temporary file moved in place; the file gets
-    the permissions ``open()`` would give it (``mkstemp`` makes its files private)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=".memsentry-", suffix=".json", dir=folder)
-    try:
-        os.chmod(temporary, 0o666 & ~_umask())
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(report.to_json())
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+    """``report`` as JSON to ``path``, whole or not at all (a failure leaves the file that
+    was there as it was: :func:`~memsentry.paths.replace_text`)."""
+    replace_text(path, report.to_json())
 
 
 class LiveAlarm:
@@ -232,7 +207,18 @@ class LiveAlarm:
         try:
             write_atomically(report, self.report_path)
         except OSError as error:
-            note = (f"The report could not be written to {self.report_path!r} while the run "
-                    f"went on ({error.strerror or error}).")
-            if note not in self.errors:
-                self.errors.append(note)
+            self._failed(self.report_path, error)
+
+    def _failed(self, path: str, error: OSError) -> None:
+        """Note in the report why its file could not be written; the first time, also warn
+        at the user's line (a ``RuntimeWarning``), once for the whole run."""
+        reason = error.strerror or str(error)
+        note = f"The report could not be written to {path!r} while the run went on ({reason})."
+        if note in self.errors:
+            return
+        if not self.errors:
+            warn_at_user_line(f"memsentry: report_path {path!r} could not be written ({reason}); "
+                              "it keeps the last report written whole and the run goes on; "
+                              "free space there or give report_path a writable place",
+                              RuntimeWarning)
+        self.errors.append(note)

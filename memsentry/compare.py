@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeAlias
 
 from memsentry.model import Breach, LimitCheck, Limits, ReportData, ReportDiff
+from memsentry.paths import replace_text
 from memsentry.reporters.diff import diff_to_dict, diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
 from memsentry.rules.diff import check as check_limits
@@ -54,8 +55,7 @@ class Diff(ReportDiff):
         """:meth:`to_dict` as JSON; also written to ``path`` when one is given."""
         text = diff_to_json(self, check=None if limits is None else self.check(limits))
         if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
+            replace_text(path, text + "\n")
         return text
 
     def to_html(self, path: str | os.PathLike[str] | None = None, *,
@@ -67,8 +67,7 @@ class Diff(ReportDiff):
         check = None if limits is None else self.check(limits)
         page = render_diff_html(self, check=check, top=top)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(page + "\n")
+            replace_text(path, page + "\n")
         return page
 
     def __str__(self) -> str:

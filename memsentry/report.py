@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 from memsentry.model import Forecast, ReportData
+from memsentry.paths import replace_text
 from memsentry.reporters.html import render_fragment, render_html
 from memsentry.reporters.plotly import ChartsUnavailable, have_plotly
 from memsentry.reporters.text import TextReporter
@@ -63,8 +64,7 @@ class Report(ReportData):
         :class:`~memsentry.reporters.plotly.ChartsUnavailable` saying so."""
         page = render_html(self)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(page + "\n")
+            replace_text(path, page + "\n")
         return page
 
     def _repr_html_(self) -> str:

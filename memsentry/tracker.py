@@ -31,7 +31,7 @@ from memsentry.record.ranks import RankInfo, begin_block, gather_limit, rank_inf
 from memsentry.record.snapshot import SnapshotRecording, with_snapshot_options, write_snapshot
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
-from memsentry.rules import analyse
+from memsentry.rules import analyse, remarks
 from memsentry.rules.oom import explain_oom
 from memsentry.rules.ranks import combine
 from memsentry.settings import BY_NAME, OVERHEAD, SNAPSHOT_ENTRIES, WATCH_OVERHEAD, docstring
@@ -221,6 +221,12 @@ class Tracker:
             self._end(error if error is not None else sys.exc_info()[1])
         return self.report()
 
+    def silence(self) -> None:
+        """From now on say no leak while the run goes on and keep no report file current:
+        ``memsentry run`` asks it in a child the script forks (its parent says and writes)."""
+        self._live.alarm = None
+        self._live.report_path = None
+
     def __enter__(self) -> Tracker:
         return self.start()
 
@@ -328,10 +334,11 @@ class Tracker:
         if self._rank is None and self._state is _State.ACTIVE:
             self._rank = rank_info()
         where = self._rank
-        notes = (*self._snapshot.notes, *self._live.errors)
+        findings = analyse(report)
+        notes = (*self._snapshot.notes, *self._live.errors, *remarks(report, findings))
         if notes:
             report = replace(report, notes=(*report.notes, *notes))
-        report = replace(report, findings=analyse(report), oom=explain_oom(report),
+        report = replace(report, findings=findings, oom=explain_oom(report),
                          rank=where.rank if where else None,
                          world_size=where.world_size if where else None,
                          host=where.host if where else None)

@@ -271,7 +271,9 @@ def test_first_iterations_that_stop_measuring_still_count_the_activations(
     counted = [b.activations for b in cut.breakdown.iterations[1:4]]
     measured = [b.activations for b in whole.breakdown.iterations[1:4]]
     assert measured[-1] > 3 * 96 * 1024
-    assert all(abs(c - m) <= 2048 for c, m in zip(counted, measured, strict=True)), (
+    # The training step's own activations (13 saved tensors of 8 x 16 floats: 6.5 KiB) may be
+    # alive at the peak one run samples and gone at the other's.
+    assert all(abs(c - m) <= 13 * 8 * 16 * 4 for c, m in zip(counted, measured, strict=True)), (
         counted, measured)
     assert all(layer.measured_calls < layer.calls for layer in cut.layers
                if layer.type == "Linear")  # the cut run measured fewer calls

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,6 +17,17 @@ import torch
 from torch import nn
 
 import memsentry
+from memsentry.model import (
+    Census,
+    HolderKind,
+    HolderStats,
+    IterationStats,
+    Measured,
+    ReportData,
+    Step,
+    StepKind,
+)
+from memsentry.rules import analyse, remarks
 
 STEPS = 12
 REPEATS = 8
@@ -138,3 +150,117 @@ def test_a_loop_run_in_another_thread_than_the_tracker_started_in_is_followed() 
     report = tracker.report()
     assert len(report.iterations) == STEPS
     assert report.layer("0").calls == STEPS
+
+
+# -- verdicts on process-wide figures -------------------------------------------------------
+LEAK_STEP = 256 * 1024  # bytes the leaking loop keeps each step
+CLEAN = 5
+
+
+def _beside(seed: int, start: threading.Barrier, results: dict[int, Any]) -> None:
+    """A tracked loop of 20 steps started with the others; seed 0 keeps 256 KiB a step."""
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        with _SEEDING:
+            torch.manual_seed(seed)
+            model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        kept = []
+        start.wait(timeout=60)
+        with memsentry.track(model, on_leak="ignore") as tracker:
+            for _ in range(20):
+                model(torch.randn(16, 32, generator=gen)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if seed == 0:
+                    kept.append(torch.ones(LEAK_STEP // 4))
+        results[seed] = tracker.report()
+    except BaseException as error:
+        results[seed] = error
+
+
+def test_clean_threads_beside_a_leaking_one_get_no_growth_verdict() -> None:
+    """On CPU the figures are the whole process heap: the leaking thread's growth shows in
+    every tracker's figures, and only the leaking thread's loop holds it."""
+    for _ in range(3):
+        results: dict[int, Any] = {}
+        start = threading.Barrier(CLEAN + 1)
+        threads = [threading.Thread(target=_beside, args=(seed, start, results))
+                   for seed in range(CLEAN + 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(isinstance(r, BaseException) for r in results.values()), results
+        leaks = [(f.rule, f.subject.name) for f in results[0].findings
+                 if f.severity is memsentry.Severity.LEAK and f.subject is not None]
+        assert leaks == [("tensor-accumulation", "kept")]
+        for seed in range(1, CLEAN + 1):
+            growth = [f for f in results[seed].findings if f.rule == "memory-growth"
+                      or f.severity is memsentry.Severity.LEAK]
+            assert growth == [], f"clean thread {seed}: {growth[0].message}"
+
+
+MiB = 1 << 20
+
+
+def _hand_built(*, others: int, kept_per_step: int = 0, items_per_step: int = 0,
+                measured: Measured = Measured.HEAP, backend: str = "cpu-mallinfo2"
+                ) -> ReportData:
+    """Twelve iterations whose figures grow 1 MiB each; censuses at 2, 4, 8 and 11 see the
+    model's weights and a list ``kept`` of 3 tensors gaining ``kept_per_step`` bytes and
+    ``items_per_step`` items an iteration."""
+    its = tuple(IterationStats(index=i, allocated=100 * MiB + i * MiB, reserved=None,
+                               peak=101 * MiB + i * MiB, seconds=0.01,
+                               boundary=memsentry.Boundary.OPTIMIZER) for i in range(12))
+
+    def census(at: int) -> Census:
+        holders = (
+            HolderStats(path=(Step(StepKind.ROOT, "model"),), kind=HolderKind.MODEL,
+                        scope=None, where=None, items=None, tensors=4, bytes=40_000),
+            HolderStats(path=(Step(StepKind.ROOT, "kept"),), kind=HolderKind.LOCAL,
+                        scope=None, where=None, items=3 + at * items_per_step, tensors=3,
+                        bytes=3 * 4096 + at * kept_per_step),
+        )
+        return Census(iteration=at, seconds=0.01, complete=True, objects=1000,
+                      holders=holders)
+
+    return ReportData(device="cpu", backend=backend, baseline=100 * MiB, iterations=its,
+                      measured=measured, censuses=tuple(census(at) for at in (2, 4, 8, 11)),
+                      other_threads=others)
+
+
+def test_heap_growth_nothing_this_loop_holds_explains_is_left_to_the_other_threads() -> None:
+    """The list ``kept`` holds as much at every census while the heap gains 1 MiB a step:
+    with 5 other threads training, no finding, and a note says why."""
+    alone = _hand_built(others=0)
+    (finding,) = analyse(alone, rules=["memory-growth"])  # one thread: judged as before
+    assert finding.severity is memsentry.Severity.HINT
+    assert remarks(alone, analyse(alone)) == ()
+
+    beside = _hand_built(others=5)
+    assert analyse(beside, rules=["memory-growth"]) == ()
+    (note,) = remarks(beside, analyse(beside))
+    assert "the process heap grew by 1.0 MiB/iter (+9.0 MiB from iteration 2 to 11)" in note
+    assert "tensors this loop holds grew 0 B/iter over 4 censuses, less than 25%" in note
+    assert "5 other threads ran a training loop" in note and "exact=True" in note
+
+
+def test_growth_this_loop_holds_is_still_judged_beside_other_threads() -> None:
+    leaking = _hand_built(others=5, kept_per_step=MiB)
+    (finding,) = analyse(leaking, rules=["memory-growth"])
+    assert finding.severity is memsentry.Severity.LEAK
+    assert remarks(leaking, [finding]) == ()
+    # Values piled up in a list of this loop's: its own growth, judged as alone.
+    piling = _hand_built(others=5, items_per_step=1000)
+    assert [f.severity for f in analyse(piling, rules=["memory-growth"])] == [
+        memsentry.Severity.HINT]
+    # Counting tensor storages sees only the tracker's thread: its growth is its own.
+    exact = _hand_built(others=5, measured=Measured.TENSORS, backend="cpu-storages")
+    (finding,) = analyse(exact, rules=["memory-growth"])
+    assert finding.severity is memsentry.Severity.LEAK
+    # Too few holder searches finished to say what this loop holds: not judged either.
+    unsearched = replace(_hand_built(others=2), censuses=())
+    assert analyse(unsearched, rules=["memory-growth"]) == ()
+    (note,) = remarks(unsearched, ())
+    assert "too few holder searches of this loop finished" in note and "(0; 3 are" in note

@@ -17,7 +17,7 @@ from memsentry.cli.args import at_least, fail
 from memsentry.cli.files import read_report
 from memsentry.model import LimitCheck, Limits, ReportDiff
 from memsentry.model.diff import parse_growth_increase, parse_increase
-from memsentry.paths import unwritable
+from memsentry.paths import replace_text, unwritable
 from memsentry.reporters.diff import diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
 from memsentry.rules.diff import check, diff
@@ -74,8 +74,7 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 def _write(path: str, text: str, option: str) -> str | None:
     try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+        replace_text(path, text + "\n")
     except OSError as error:
         return f"{option}: could not write {path!r} ({error.strerror})"
     return None

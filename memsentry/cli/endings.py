@@ -5,30 +5,36 @@
   its default restored, so whoever started the process sees what python would have shown.
   The handler does its work where the signal found the script, as the default would have
   killed it there: the script's ``finally`` blocks do not run, as they would not under
-  python. Where the signal lands inside memsentry's own recording (a hook, a census) or
-  inside a write to standard output, the signal is delivered again a moment later, so the
-  report is never made from half-updated figures or printed into a busy stream; meanwhile
-  the script's own handlers are paused, and whatever ends the script then, the process
-  dies of that signal. A handler the script installs over memsentry's is the script's
-  business: one that calls memsentry's as "the previous handler" finds it does nothing, as
-  the default it replaced could not have been called either.
-- ``os._exit(status)`` in the script's process: the report first, then the exit.
+  python. Where the signal lands inside memsentry's own recording (a hook, a census), the
+  report is made the moment that code returns; inside a write to standard output, the
+  signal is delivered again a moment later. So the report is never made from half-updated
+  figures or printed into a busy stream; meanwhile the script's own handlers are paused,
+  and whatever ends the script then, the process dies of that signal. memsentry's timing of
+  a DataLoader fetch is no recording of its own: a signal that finds the script waiting for
+  a batch makes the report there, before the script can see the loader's workers, stopped
+  by the same signal, gone (python would be dead by then, and say nothing). A handler the
+  script installs over memsentry's is the script's business: one that calls memsentry's as
+  "the previous handler" finds it does nothing, as the default it replaced could not have
+  been called either.
+- ``os._exit(status)`` in the script's process: the report first, then the exit. From a
+  thread other than the main one, the main thread is asked to stop where it is (as for a
+  SIGTERM, through memsentry's handler) and make the report; where it cannot (no handler of
+  memsentry's, or no answer in :data:`ANSWER` seconds) the thread makes it.
 - While the report is being made (the script ended, or a signal came): a SIGTERM, SIGHUP or
   the first Ctrl-C shortens rank 0's wait for the other ranks' reports and is kept; once the
   report is written, the process dies of it. A second Ctrl-C quits without the report. The
   script's own signal handlers are paused (torch's DataLoader raises from its SIGCHLD
   handler when a worker dies).
 - A ``KeyboardInterrupt`` that ended the script: its traceback (without memsentry's frames),
-  the report, then the end python gives such a program (:func:`die_interrupted`): threads
-  joined, ``atexit`` functions run, death by SIGINT.
+  the report, then the end python gives such a program (:mod:`memsentry.cli.exits`).
 
-A forked child (a DataLoader worker) that gets one of these signals dies of it as it would
-under python, without a report.
+A child the script forks (a DataLoader worker, or ``os.fork()``) reports nothing: one that
+gets one of these signals dies of it as it would under python; one that calls ``os._exit``
+exits at once.
 """
 
 from __future__ import annotations
 
-import atexit
 import enum
 import os
 import signal
@@ -55,7 +61,12 @@ HURRY = 10.0
 #: Seconds a signal waits for the script to leave memsentry's recording code before the
 #: report is made wherever the script is.
 PATIENCE = 3.0
+#: Seconds a thread's ``os._exit`` waits for the main thread to take up the report.
+ANSWER = PATIENCE + 2.0
 _RETRY = 0.01
+#: memsentry's frames that hand the call on to the program's code: its timing of a
+#: DataLoader fetch, which waits for the loader's workers (module, function).
+_PASSING = (("memsentry.record.batches", "_next_data"),)
 
 
 class Phase(enum.Enum):
@@ -88,15 +99,20 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def flush_streams() -> None:
+    """Flush standard output and error (best effort: closed, or a broken pipe)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # nothing more to save
+            pass
+
+
 def die_of(signum: int, *, flush: bool = True) -> NoReturn:
     """End this process by ``signum`` at its default disposition (what its parent then sees
     is what python's own death by it shows); 128 + ``signum`` where it cannot."""
     if flush:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # closed, or a broken pipe: nothing more to save
-                pass
+        flush_streams()
     try:
         signal.signal(signum, signal.SIG_DFL)
         if hasattr(signal, "pthread_sigmask"):
@@ -110,37 +126,22 @@ def die_of(signum: int, *, flush: bool = True) -> NoReturn:
     os._exit(128 + signum)
 
 
-def die_interrupted() -> NoReturn:
-    """End as python ends a program that an uncaught ``KeyboardInterrupt`` stopped (what it
-    does since 3.8, so that a shell knows of the Ctrl-C): wait for the threads that are not
-    daemons, run the ``atexit`` functions, then die of SIGINT. memsentry does it itself: with
-    torch's compiler imported, a module that its ``atexit`` function imports late resets
-    python's note of the interrupt, and python then exits with status 1."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    die_of(signal.SIGINT)
-
-
-def end_by(signum: int) -> NoReturn:
-    """Die of ``signum`` as python's process would have: SIGINT after python's exit, the
-    others on the spot."""
-    if signum == signal.SIGINT:
-        die_interrupted()
-    die_of(signum)
-
-
-def _in_recording(frame: types.FrameType | None) -> bool:
-    """Whether ``frame`` or a caller of it is memsentry's recording code (not the command's)."""
+def _recording(frame: types.FrameType | None) -> types.FrameType | None:
+    """The outermost frame of memsentry's recording code (not the command's) that ``frame``
+    is in; ``None`` where the program's own code runs, also inside memsentry's timing of a
+    DataLoader fetch (:data:`_PASSING`)."""
+    found = None
+    innermost = frame
     while frame is not None:
         name = frame.f_globals.get("__name__")
         if isinstance(name, str) and name.split(".")[0] == "memsentry" \
                 and name.split(".")[:2] != ["memsentry", "cli"]:
-            return True
+            if found is None and frame is not innermost \
+                    and (name, frame.f_code.co_name) in _PASSING:
+                return None
+            found = frame
         frame = frame.f_back
-    return False
+    return found
 
 
 def _streams_free() -> bool:
@@ -167,10 +168,21 @@ class Endings:
         self.phase = Phase.READY
         #: A signal that came while the report was being made: the process dies of it after.
         self.pending: int | None = None
+        #: The status a thread other than the main one called ``os._exit`` with: the process
+        #: exits with it once the report is written.
+        self.exiting: int | None = None
         self._installed: dict[int, Any] = {}
         self._real_exit = os._exit
         self._since: float | None = None
         self._interrupts = 0
+        self._lock = threading.Lock()  # the phase's moves out of RUNNING
+        self._over = threading.Event()  # the report is written
+        self._watching: object = None  # the profile function :meth:`_watch` set last
+
+    @property
+    def in_child(self) -> bool:
+        """Whether this process is a child the script forked (its parent reports)."""
+        return os.getpid() != self.pid
 
     # -- around the run ------------------------------------------------------------------
     def start(self) -> None:
@@ -182,12 +194,19 @@ class Endings:
         os._exit = self._exit
         self.phase = Phase.RUNNING
 
-    def finishing(self) -> None:
-        """The report is being made: signals wait for it (the first Ctrl-C too), and the
-        script's own handlers are paused (torch's DataLoader raises from its SIGCHLD
-        handler when a worker dies, as one does when a whole process group is stopped)."""
-        self.phase = Phase.FINISHING
+    def finishing(self) -> bool:
+        """The report is to be made here: signals wait for it (the first Ctrl-C too), and the
+        script's own handlers are paused (torch's DataLoader raises from its SIGCHLD handler
+        when a worker dies, as one does when a whole process group is stopped). False where
+        the script is not running (another thread makes the report)."""
+        with self._lock:
+            if self.phase is not Phase.RUNNING:
+                return False
+            self.phase = Phase.FINISHING
+        if sys.getprofile() is self._watching is not None:
+            sys.setprofile(None)
         self._pause()
+        return True
 
     def _pause(self) -> None:
         """Pause the script's own signal handlers: the process is to end now."""
@@ -205,14 +224,26 @@ class Endings:
     def end(self) -> int | None:
         """The report is written: put back what was there before (where the script did not
         put its own since); the signal that came meanwhile, which the process dies of."""
-        self.phase = Phase.DONE
+        with self._lock:
+            self.phase = Phase.DONE
         if os._exit == self._exit:
             os._exit = self._real_exit
         for signum, previous in self._installed.items():
             if self._ours(signum):
                 signal.signal(signum, previous)
         self._installed.clear()
+        self._over.set()
         return self.pending
+
+    def exit_if_asked(self) -> None:
+        """Exit with the status a thread's ``os._exit`` asked for, if one did."""
+        if self.exiting is not None and not self.in_child:
+            flush_streams()
+            self._real_exit(self.exiting)
+
+    def hold(self) -> None:
+        """Wait while another thread makes the report (it then ends the process)."""
+        self._over.wait()
 
     def _install(self, signum: int, handler: Callable[[int, types.FrameType | None], None]
                  ) -> None:
@@ -227,29 +258,37 @@ class Endings:
 
     # -- the handlers ----------------------------------------------------------------------
     def _on_stop(self, signum: int, frame: types.FrameType | None) -> None:
-        if os.getpid() != self.pid:  # a forked child: dies as python's default has it
+        if self.in_child:  # a forked child: dies as python's default has it
             die_of(signum, flush=False)
         if not _called_by_python(frame):
             return  # a handler of the script calls its predecessor: SIG_DFL was no function
         if self.phase is Phase.FINISHING:
-            self._keep(signum)
+            if self.exiting is None:  # else a thread's os._exit asked: the report is coming
+                self._keep(signum)
             return
         if self.phase is not Phase.RUNNING:
             die_of(signum)
-        if self._too_soon(frame):  # it dies of it, whatever ends the script meanwhile
-            self.pending = signum if self.pending is None else self.pending
-            self._pause()
-            self._again(signum)
-            return
-        hurry(HURRY)
+        if not self._too_soon(frame, signum):
+            self._act(signum)
+
+    def _act(self, signum: int) -> NoReturn:
+        """Stop the script where it is: the report, then the end (the exit a thread's
+        ``os._exit`` asked for, else death by ``signum``)."""
+        status = self.exiting
+        if status is None:
+            hurry(HURRY)
+        if not self.finishing():
+            self.hold()  # a thread's os._exit makes the report, then exits
         try:
-            self.finishing()
-            self._report(Stopped(signum))
+            self._report(Stopped(signum) if status is None else Exited(status))
         finally:
-            die_of(signum)
+            if status is None:
+                die_of(signum)
+            flush_streams()
+            self._real_exit(status)
 
     def _on_interrupt(self, signum: int, frame: types.FrameType | None) -> None:
-        if os.getpid() != self.pid:
+        if self.in_child:
             die_of(signum, flush=False)
         if not _called_by_python(frame):
             return
@@ -271,14 +310,24 @@ class Endings:
             self.pending = signum
         hurry(HURRY)
 
-    def _too_soon(self, frame: types.FrameType | None) -> bool:
+    def _too_soon(self, frame: types.FrameType | None, signum: int) -> bool:
         """Whether to let the script leave memsentry's recording code, or finish a write to
-        standard output, first (for :data:`PATIENCE` seconds at most)."""
+        standard output, first (for :data:`PATIENCE` seconds at most); the script's own
+        handlers are paused meanwhile."""
         if self._since is None:
             self._since = time.monotonic()
         if time.monotonic() - self._since > PATIENCE or not hasattr(signal, "pthread_kill"):
             return False
-        return _in_recording(frame) or not _streams_free()
+        recording = _recording(frame)
+        if recording is None and _streams_free():
+            return False
+        if self.exiting is None:  # it dies of it, whatever ends the script meanwhile
+            self.pending = signum if self.pending is None else self.pending
+        self._pause()
+        self._again(signum)
+        if recording is not None:
+            self._watch(recording, signum)
+        return True
 
     def _again(self, signum: int) -> None:
         """Deliver ``signum`` to the main thread again in a moment."""
@@ -292,20 +341,71 @@ class Endings:
         timer.daemon = True
         timer.start()
 
+    def _watch(self, recording: types.FrameType, signum: int) -> None:
+        """Stop the script the moment ``recording`` returns, through a profile function of
+        the main thread (where the script has one of its own, the signal delivered again
+        does it)."""
+        if sys.getprofile() not in (None, self._watching):
+            return
+
+        def watch(frame: types.FrameType, event: str, _arg: object) -> None:
+            if self.phase is not Phase.RUNNING:
+                sys.setprofile(None)
+            elif event == "return" and frame is recording:
+                sys.setprofile(None)
+                self._act(signum)
+
+        self._watching = watch
+        sys.setprofile(watch)
+
+    # -- os._exit ------------------------------------------------------------------------
     def _exit(self, status: int) -> NoReturn:
         """``os._exit`` while the script runs: the report, then the exit."""
-        if (os.getpid() == self.pid and self.phase is Phase.RUNNING
-                and threading.current_thread() is threading.main_thread()):
-            try:
-                self.finishing()
-                self._report(Exited(status))
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # python's os._exit flushes nothing: best effort
-                        pass
+        if self.in_child or self.phase is Phase.DONE:
+            self._real_exit(status)
+        if threading.current_thread() is not threading.main_thread():
+            self._exit_from_thread(status)
+        elif self.finishing():
+            self._report_exit(status)
         self._real_exit(status)
+
+    def _report_exit(self, status: int) -> None:
+        try:
+            self._report(Exited(status))
+        finally:
+            flush_streams()  # python's os._exit flushes nothing: best effort
+
+    def _exit_from_thread(self, status: int) -> None:
+        """``os._exit`` from a thread other than the main one: the main thread, asked through
+        memsentry's handler, makes the report where the script is and exits with ``status``;
+        this thread makes it where the main one does not take it up in :data:`ANSWER`
+        seconds. Returns once the process is to exit."""
+        with self._lock:
+            first = self.exiting is None and self.phase is not Phase.DONE
+            if first:
+                self.exiting = status
+            asked = first and self.phase is Phase.RUNNING and _ask_main(self._ours)
+        if asked:
+            deadline = time.monotonic() + ANSWER
+            while self.phase is Phase.RUNNING and time.monotonic() < deadline:
+                time.sleep(_RETRY)
+        if first and self.finishing():
+            self._report_exit(status)
+        else:
+            self.hold()  # the main thread makes the report: the process exits after it
+
+
+def _ask_main(ours: Callable[[int], bool]) -> bool:
+    """Deliver to the main thread a stopping signal that memsentry handles (``ours``); False
+    where there is none."""
+    main = threading.main_thread().ident
+    if main is None or not hasattr(signal, "pthread_kill"):
+        return False
+    for signum in STOPPING:
+        if ours(signum):
+            signal.pthread_kill(main, signum)
+            return True
+    return False
 
 
 def _called_by_python(frame: types.FrameType | None) -> bool:
@@ -317,5 +417,5 @@ def _called_by_python(frame: types.FrameType | None) -> bool:
         return frame is None
 
 
-__all__ = ["HURRY", "STOPPING", "Endings", "Exited", "Phase", "Stopped", "die_interrupted",
-           "die_of", "end_by", "signal_name"]
+__all__ = ["ANSWER", "HURRY", "STOPPING", "Endings", "Exited", "Phase", "Stopped", "die_of",
+           "flush_streams", "signal_name"]

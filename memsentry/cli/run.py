@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from memsentry.cli.args import add_table_options, fail
-from memsentry.cli.endings import Endings, Exited, Stopped, die_interrupted, end_by, signal_name
+from memsentry.cli.endings import Endings, Exited, Stopped, die_of, signal_name
+from memsentry.cli.exits import end_interrupted
 from memsentry.cli.files import reason
 from memsentry.cli.script import Outcome, Script, print_error
 from memsentry.errors import MemsentryError
-from memsentry.paths import unwritable
+from memsentry.paths import replace_text, unwritable
 from memsentry.settings import OVERHEAD, SETTINGS, WATCH_OVERHEAD, Flag, Setting
 from memsentry.units import parse_size
 
@@ -178,27 +182,44 @@ class _Run:
         self.endings = Endings(self._stopped)
         self.kept: str | None = None  # this rank's own --json file, saved before the handoff
         self.unsaved = False  # whether saving it failed (status 2 for a script that ended well)
+        #: The names in sys.modules as the script began, and as it ended.
+        self.modules: tuple[set[str], set[str]] = (set(), set())
 
     def __call__(self, script: Script) -> int:
         from memsentry.record.ranks import HANDOFF  # with torch: `run` is running
 
         outcome, code = Outcome(1), 1
         HANDOFF.keep = self._keep if self.args.json else None
+        os.register_at_fork(after_in_child=_silencer(self.tracker))  # its parent reports
         with script.installed():
             try:
                 self.tracker.start()
                 self.endings.start()
+                started = set(sys.modules)
                 outcome = script.run()
-                self.endings.finishing()
-                code = self._finish(outcome)
+                self.modules = (started, set(sys.modules))
+                code = self._ended(outcome)
             finally:
                 HANDOFF.keep = None
                 pending = self.endings.end()
+        self.endings.exit_if_asked()  # a thread's os._exit, during the report
+        if pending == signal.SIGINT or (pending is None
+                                        and type(outcome.error) is KeyboardInterrupt):
+            end_interrupted(*self.modules, script.module)  # python decides, as for its own
         if pending is not None:
-            end_by(pending)
-        if type(outcome.error) is KeyboardInterrupt:  # python dies of SIGINT for it
-            die_interrupted()
+            die_of(pending)
         return code
+
+    def _ended(self, outcome: Outcome) -> int:
+        """The script ended: the report, and the exit status. A child the script forked
+        that ends here ends as under python, without a report: its parent makes it."""
+        if self.endings.in_child:
+            if outcome.error is not None and not isinstance(outcome.error, SystemExit):
+                print_error(outcome.error)
+            return outcome.status
+        if not self.endings.finishing():
+            self.endings.hold()  # a thread's os._exit makes the report, then exits
+        return self._finish(outcome)
 
     def _stopped(self, ending: BaseException) -> None:
         """A signal or ``os._exit`` ends the script where it is: the report now."""
@@ -229,8 +250,7 @@ class _Run:
         others: a job stopped while it waits still leaves every rank's file."""
         path = rank_file(self.args.json, rank)
         try:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(json.dumps(json.loads(payload), indent=2) + "\n")
+            replace_text(path, json.dumps(json.loads(payload), indent=2) + "\n")
         except OSError as error:
             self.unsaved = True
             fail("run", f"--json: could not write {path!r} ({error.strerror})")
@@ -261,6 +281,19 @@ class _Run:
         _say(f"memsentry: rank {rank} of {report.world_size} handed its report to rank 0, "
              f"which prints the combined report{saved}")
         return code
+
+
+def _silencer(tracker: Tracker) -> Callable[[], None]:
+    """What a child forked from this process calls: ``tracker`` (while it lives) says no
+    leak and writes no file there."""
+    alive = weakref.ref(tracker)
+
+    def silence() -> None:
+        found = alive()
+        if found is not None:
+            found.silence()
+
+    return silence
 
 
 #: Argument parsers whose exit (``--help``, a bad option) ends a script before it starts.
@@ -320,8 +353,7 @@ def _output(args: argparse.Namespace, report: Report, code: int) -> int:
     banner = f"\n{'=' * 30} memsentry report {'=' * 30}\n{text}"
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
+            replace_text(args.output, text + "\n")
         except OSError as error:  # it became unwritable while the script ran: keep the text
             _say(banner)
             fail("run", f"-o: could not write {args.output!r} ({error.strerror}); the report "

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from memsentry.cli.args import add_table_options, fail
-from memsentry.cli.files import read_report
+from memsentry.cli.files import read_report, reason
+from memsentry.paths import replace_text, unwritable
 from memsentry.reporters import REPORTERS, HtmlReporter, TextReporter, make_reporter
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 
@@ -25,6 +26,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _outputs_problem(args)
+    if problem is not None:
+        return fail("show", problem)
     report = read_report(args.report)
     if isinstance(report, str):
         return fail("show", report)
@@ -36,9 +40,21 @@ def run(args: argparse.Namespace) -> int:
         return fail("show", f"--format html needs the plotly package: {INSTALL_HINT}")
     table = {"max_depth": args.depth, "top": args.top, "width": args.width, "view": args.view}
     reporter = make_reporter(args.format, **(table if args.format == TextReporter.name else {}))
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            reporter.render(report, handle)
-    else:
+    if not args.output:
         reporter.render(report, sys.stdout)
+        return 0
+    try:
+        replace_text(args.output, reporter.text(report) + "\n")
+    except OSError as error:
+        return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
+                            "writable path")
     return 0
+
+
+def _outputs_problem(args: argparse.Namespace) -> str | None:
+    """What stops ``-o`` or ``--html`` from being written, checked before reading."""
+    for option, path in (("-o", args.output), ("--html", args.html)):
+        problem = unwritable(path) if path else None
+        if problem is not None:
+            return f"{option}: {problem}"
+    return None

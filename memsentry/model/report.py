@@ -19,6 +19,7 @@ from memsentry.model.oom import OutOfMemory
 from memsentry.model.processes import PinnedMemory, ProcessSample, WorkerMemory
 from memsentry.model.reading import read_json
 from memsentry.model.timeline import IterationStats, LayerStats
+from memsentry.paths import replace_text
 
 #: The version of the JSON layout; 1 was memsentry 0.1.0's (holders named by a string).
 SCHEMA_VERSION = 2
@@ -54,6 +55,9 @@ class ReportData:
     and with the workers' readings), ``resident_peak`` the highest resident memory the
     process reached since it began (``None`` where the system does not say), and ``pinned``
     the page-locked host memory PyTorch's pinned allocator held (``None`` without CUDA).
+    ``other_threads`` counts the threads, other than the loop's, that stepped an optimizer or
+    ran a tracked loop in the process while this one was tracked: figures that count the
+    whole process (the C heap, a device's allocator) count their memory too.
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -87,6 +91,7 @@ class ReportData:
     process: tuple[ProcessSample, ...] = ()
     resident_peak: int | None = None
     pinned: PinnedMemory | None = None
+    other_threads: int = 0
 
     @property
     def breakdown(self) -> Breakdowns:
@@ -112,11 +117,11 @@ class ReportData:
         return data
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
-        """Serialise to JSON; also write it to ``path`` when one is given. Returns the text."""
+        """Serialise to JSON; also write it to ``path`` when one is given (whole or not at
+        all: a failed write leaves the file that was there as it was). Returns the text."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
+            replace_text(path, text + "\n")
         return text
 
     @classmethod

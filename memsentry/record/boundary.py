@@ -28,6 +28,7 @@ from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import FIRST_CENSUS, CensusSchedule, census_due
 from memsentry.record.signals import Signals
+from memsentry.record.threads import mark_activity
 from memsentry.record.timeline import IterationClock, Timeline
 from memsentry.record.workers import reading_seconds
 
@@ -106,6 +107,8 @@ class Boundaries:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
         began = time.perf_counter()
+        if boundary != Boundary.EXIT:
+            mark_activity()  # an iteration of this thread's loop (see Owner.others)
         read = reading_seconds()  # the workers' readings ran in this iteration's time
         if read > self._workers_read:
             self._budget.charge(WORKERS, read - self._workers_read)

@@ -26,6 +26,8 @@ from memsentry.record.coverage import Coverage
 from memsentry.record.entry import entered_through
 from memsentry.record.failure import FailureWatch
 from memsentry.record.hooks import ModuleHooks
+from memsentry.record.invisible import install as install_invisibility
+from memsentry.record.invisible import uninstall as remove_invisibility
 from memsentry.record.layers import (
     LayerRegistry,
     compiled_original,
@@ -37,7 +39,8 @@ from memsentry.record.sampler import Sampler
 from memsentry.record.saved import SavedTensors
 from memsentry.record.threads import Owner
 from memsentry.record.timeline import IterationClock
-from memsentry.usercode.frames import spelled_name
+from memsentry.usercode.frames import is_user_class, source_file, spelled_name, user_frames
+from memsentry.usercode.savedhooks import registers_saved_hooks
 
 #: Checked (torch 2.13, gloo, 2 ranks): ``unshard()`` then ``reshard()`` of a unit whose
 #: unsharded parameters take 257 KiB moved glibc's count by 257 KiB, the mode's by nothing;
@@ -51,6 +54,15 @@ SHARDED_NOTE = (
     "up to the unsharded parameters' bytes, either way (glibc's counters, the default "
     "without exact=True where glibc has mallinfo2(), see them)."
 )
+
+
+def user_files(model: nn.Module | None, frame: types.FrameType | None) -> list[str | None]:
+    """The files of the user's code known at the start: those defining the model's own
+    classes, the main script and those on the stack."""
+    files = [] if model is None else [
+        source_file(type(m)) for m in model.modules() if is_user_class(type(m))]
+    files.append(getattr(sys.modules.get("__main__"), "__file__", None))
+    return files + [f.f_code.co_filename for f in user_frames(frame)]
 
 
 def _fold_into(parent: ForwardCall, call: ForwardCall) -> None:
@@ -129,6 +141,35 @@ class ForwardRecorder:
         # Set when the census that kept a light iteration's hooks on was taken at its first
         # call: the hooks go bare as that call ends (a boundary clears it).
         self.unhook_after = False
+        self._invisible = False  # whether memsentry.record.invisible is held on for this one
+
+    def put_on(self, model: nn.Module | None, frame: types.FrameType | None) -> None:
+        """Hook ``model`` (without one, every module call of the process); ``frame``: the
+        code that started tracking. Copies and scripts of the model leave the hooks out
+        (:mod:`memsentry.record.invisible`), and where the user's code sets hooks on single
+        saved tensors, memsentry's saved-tensor hooks stay off."""
+        install_invisibility()
+        self._invisible = True
+        where = registers_saved_hooks(user_files(model, frame))
+        if where is not None:
+            self.leave_saved_to(where)
+        if model is not None:
+            self.hooks.hook_model(model)
+        else:
+            self.hooks.hook_global()
+
+    def take_off(self) -> None:
+        """Remove every hook this recorder put on."""
+        self.hooks.remove_all()
+        if self._invisible:
+            self._invisible = False
+            remove_invisibility()
+
+    def leave_saved_to(self, where: Location) -> None:
+        """The user's code at ``where`` sets hooks on single saved tensors, which torch allows
+        once per tensor: memsentry puts no saved-tensor hooks on (the report says so)."""
+        self._saved = False
+        self.saved.user_hooks = where
 
     def scripted_pre(self, module: nn.Module, args: Any) -> None:
         if module in self.hooks.scripted and not torch.compiler.is_compiling():

@@ -33,6 +33,7 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from memsentry.record.coverage import Coverage
+from memsentry.record.invisible import disown, own
 from memsentry.record.layers import LayerRegistry, fully_sharded
 
 Pre = Callable[[nn.Module, Any], None]
@@ -86,14 +87,14 @@ class ModuleHooks:
     def _hook(self, module: nn.Module) -> None:
         # Before FSDP2's pre-hook, as global hooks are: the all-gather is the unit's memory.
         self._modules[id(module)] = (
-            module.register_forward_pre_hook(self._pre, prepend=fully_sharded(module)),
-            module.register_forward_hook(self._post, always_call=True),
+            own(module.register_forward_pre_hook(self._pre, prepend=fully_sharded(module))),
+            own(module.register_forward_hook(self._post, always_call=True)),
         )
 
     def _unhook(self, module: nn.Module, index: int) -> None:
         pre, post = self._modules.pop(id(module))
-        pre.remove()
-        post.remove()
+        disown(pre)
+        disown(post)
         self._unhooked.add(index)
 
     def handles(self) -> list[RemovableHandle]:
@@ -103,7 +104,7 @@ class ModuleHooks:
 
     def remove_all(self) -> None:
         for handle in self.handles():
-            handle.remove()
+            disown(handle)
         self._modules.clear()
         self._global, self._fixed, self._lean_handles = [], [], None
 
@@ -163,7 +164,7 @@ class ModuleHooks:
         """Without a model: the global hooks, or when lean that one module's."""
         if self._lean_handles is not None and (self.bare or lean is None):
             for handle in self._lean_handles:
-                handle.remove()
+                disown(handle)
             self._lean_handles = None
         if self.bare or lean is not None:
             for handle in self._global:
@@ -171,7 +172,7 @@ class ModuleHooks:
             self._global = []
             if lean is not None and self._lean_handles is None:
                 self._lean_handles = (
-                    lean.register_forward_pre_hook(self._pre, prepend=fully_sharded(lean)),
-                    lean.register_forward_hook(self._post, always_call=True))
+                    own(lean.register_forward_pre_hook(self._pre, prepend=fully_sharded(lean))),
+                    own(lean.register_forward_hook(self._post, always_call=True)))
         else:
             self.hook_global()

@@ -93,14 +93,19 @@ class LiveSaved:
 
 
 class Saved:
-    """What the saved-tensor hook packs: a detached alias of the saved tensor and its version.
-    When its storage counts as an activation, :class:`LiveSaved` watches it weakly."""
+    """What the saved-tensor hook packs: the saved tensor and its version. A saved output
+    (``node``: the name of the node that saved it and its output number) is kept as a
+    detached alias, which does not keep that node alive; an input or a leaf is kept as it is,
+    as torch keeps it without hooks. When its storage counts as an activation,
+    :class:`LiveSaved` watches it weakly."""
 
-    __slots__ = ("__weakref__", "tensor", "version")
+    __slots__ = ("__weakref__", "node", "tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor, version: int,
+                 node: tuple[str, int] | None = None) -> None:
         self.tensor = tensor
         self.version = version
+        self.node = node
 
 
 class Parts:

@@ -191,13 +191,10 @@ class Recorder:
             raise
 
     def _install_hooks(self) -> None:
-        forward = self._forward
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             self._registry.name_tree(model)
-            forward.hooks.hook_model(model)
-        else:
-            forward.hooks.hook_global()
+        self._forward.put_on(model, sys._getframe(1))
         listen_to_steps(self._optimizer_stepped)
         self._plain.install()
         self._clock.time_batches()
@@ -221,10 +218,11 @@ class Recorder:
                 part.active = active
 
     def _teardown(self) -> None:
+        self._owner.release()
         forget_steps(self._optimizer_stepped)
         self._clock.stop_timing_batches()
         self._plain.remove()
-        self._forward.hooks.remove_all()
+        self._forward.take_off()
         self._censuses.unwatch_collections()
         self._roots.settle(everything=True)
         self._forward.saved.pop()
@@ -365,5 +363,5 @@ class Recorder:
             dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
             allocator_stats=counters[0], nvml=counters[1],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
-            oom=self._oom, cost=cost,
+            oom=self._oom, cost=cost, other_threads=self._owner.others(),
         ))

@@ -32,11 +32,8 @@ from memsentry.record.coverage import Coverage
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.parts import LiveSaved, Parts, Saved
 from memsentry.record.sampler import Sampler
-
-
-class SavedTensorVersionError(RuntimeError):
-    """A tensor saved for backward was modified in place before the backward used it."""
-
+from memsentry.record.versions import wording
+from memsentry.usercode.location import Location
 
 #: The version a tensor packed inside a compiled region carries: not checked on unpacking.
 UNCHECKED = -1
@@ -48,7 +45,7 @@ def _no_hooks_known(ignore_is_tracing: bool) -> None:
 
 #: The saved-tensor hooks on top of this thread's stack, ``(pack, unpack)`` or ``None``. A torch
 #: without the function (older than memsentry's tests reach) is taken to have none.
-_top_hooks: Callable[[bool], tuple[Any, Any] | None] = getattr(
+top_hooks: Callable[[bool], tuple[Any, Any] | None] = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", _no_hooks_known)
 
 
@@ -77,19 +74,40 @@ def _selective() -> bool:
                for mode in _get_current_dispatch_mode_stack())
 
 
+#: Whether this torch counts the autograd nodes it makes (a saved output is packed right after
+#: its own node was made, an input after the node that saves it).
+_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def output_node(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """For a tensor being packed that is the output of the node saving it: that node's name
+    and the output's number; ``None`` for an input or a leaf."""
+    node = tensor.grad_fn
+    if node is None or _sequence_nr is None or node._sequence_nr() != _sequence_nr() - 1:
+        return None
+    return node.name(), tensor.output_nr
+
+
+def _check_node(packed: Saved) -> tuple[str, int] | None:
+    """The node torch's message names for a saved tensor changed in place: the node that saved
+    an output; for an input or a leaf, its grad_fn now (numbered 0, as torch numbers it)."""
+    if packed.node is not None:
+        return packed.node
+    node = packed.tensor.grad_fn
+    return (node.name(), 0) if node is not None else None
+
+
 def unpack(packed: Saved | tuple[torch.Tensor, int]) -> torch.Tensor:
-    """Return the saved tensor, repeating autograd's in-place check (skipped under hooks)."""
+    """Return the saved tensor, repeating autograd's in-place check (skipped under hooks), with
+    torch's own error when it fails."""
     if isinstance(packed, Saved):
         tensor, version = packed.tensor, packed.version
     else:  # packed inside a compiled region
         tensor, version = packed
     if version != UNCHECKED and tensor._version != version:
-        raise SavedTensorVersionError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
-            f"{tensor._version}; expected version {version} instead. (PyTorch skips this check "
-            "while saved-tensor hooks are active; memsentry repeats it.)"
-        )
+        words = wording(top_hooks(False) is not None)
+        node = _check_node(packed) if isinstance(packed, Saved) else None
+        raise RuntimeError(words.message(tensor, node, version))
     return tensor
 
 
@@ -138,6 +156,7 @@ class SavedTensors:
         self.without_saved: set[str] = set()
         self.foreign: dict[str, str] = {}
         self.recomputed: set[str] = set()
+        self.user_hooks: Location | None = None  # the user's hooks on single saved tensors
 
     def recomputing(self, module: nn.Module) -> None:
         """``module`` is called inside a backward pass: checkpointing recomputes it."""
@@ -154,7 +173,7 @@ class SavedTensors:
 
     def foreign_hooks(self, name: str) -> str | None:
         """What the saved-tensor hooks on top of the stack are, when they are not ours."""
-        top = _top_hooks(False)
+        top = top_hooks(False)
         if top is None or top[0] == self.pack:
             return None
         label = hooks_label(top[0])
@@ -173,19 +192,48 @@ class SavedTensors:
         if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
             self.without_saved.add(name)  # torch.func's grad/vjp: hooks would raise there
             return False
-        if _top_hooks(False) is not None:
+        if top_hooks(False) is not None:
             return False
         self._hooks = saved_tensors_hooks(self.pack, unpack)
         self._hooks.__enter__()
         return True
 
+    def step_aside(self) -> None:
+        """torch is about to disable saved-tensor hooks inside a measured call (a torch.func
+        transform in a forward) and refuses to while any are on the stack: memsentry's come
+        off for the rest of the call, which the report says."""
+        if self._hooks is None:
+            return
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
+        if self._stack:
+            self.without_saved.add(self._stack[-1].record.name)
+
     def pop(self) -> None:
         """Take the saved-tensor hooks off the stack (after the outermost call, or at stop)."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
-            top = _top_hooks(False)
+            top = top_hooks(False)
             if top is None or top[0] == self.pack:  # never another's: theirs to take off
                 hooks.__exit__(None, None, None)
+
+    def _refused_notes(self) -> list[str]:
+        """What the report says where memsentry's hooks could not be on: the user's hooks on
+        single saved tensors, and torch.func transforms."""
+        notes = []
+        if self.user_hooks is not None:
+            notes.append(
+                f"{self.user_hooks} sets hooks on single saved tensors (`_raw_saved_*."
+                "register_hooks`), which torch allows once per tensor: memsentry put no "
+                "saved-tensor hooks of its own on, so what the layers saved for backward is "
+                "not measured (their `saved` column is empty); the rest is.")
+        if self.without_saved:
+            notes.append(
+                f"{', '.join(f'`{n}`' for n in sorted(self.without_saved))} ran inside a "
+                "torch.func transform (grad, vjp, jacrev), where saved-tensor hooks are not "
+                "allowed: the bytes they saved for backward there are not measured (the rest "
+                "of the call is).")
+        return notes
 
     def notes(self) -> list[str]:
         """What the report says of the calls that ran under other saved-tensor hooks, and of
@@ -194,13 +242,7 @@ class SavedTensors:
         by_label: dict[str, list[str]] = {}
         for name, label in self.foreign.items():
             by_label.setdefault(label, []).append(name)
-        notes = []
-        if self.without_saved:
-            notes.append(
-                f"{', '.join(f'`{n}`' for n in sorted(self.without_saved))} ran inside a "
-                "torch.func transform (grad, vjp, jacrev), where saved-tensor hooks are not "
-                "allowed: the bytes they saved for backward there are not measured (the rest "
-                "of the call is).")
+        notes = self._refused_notes()
         for label, names in sorted(by_label.items()):
             listed = ", ".join(f"`{n}`" for n in sorted(names)[:8])
             if len(names) > 8:
@@ -234,9 +276,11 @@ class SavedTensors:
     def pack(self, tensor: torch.Tensor) -> Saved | tuple[torch.Tensor, int]:
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return tensor, UNCHECKED  # traced into a compiled graph: kept as it is
-        # A detached alias: saving the tensor itself would make a saved output reference its
-        # own grad_fn (a cycle only the garbage collector frees).
-        packed = Saved(tensor.detach(), tensor._version)
+        # An output as a detached alias: saving the tensor itself would make a saved output
+        # reference its own grad_fn (a cycle only the garbage collector frees).
+        node = output_node(tensor)
+        packed = Saved(tensor.detach(), tensor._version, node) if node is not None \
+            else Saved(tensor, tensor._version)
         if self.active and self._sampler.backend is not None and self._stack:
             started = time.perf_counter()
             call = self._stack[-1]

@@ -20,6 +20,7 @@ from torch import nn
 
 from memsentry.measure import StorageBackend, device_of_module
 from memsentry.measure.history import CudaHistory, History, Snapshot
+from memsentry.paths import replace_bytes
 from memsentry.record.options import Options
 
 if TYPE_CHECKING:
@@ -57,8 +58,7 @@ def with_snapshot_options(options: Options, model: nn.Module | None) -> Options:
 def write_snapshot(data: Snapshot, path: str | os.PathLike[str]) -> str:
     """Pickle ``data`` to ``path`` (the file memory_viz opens); returns the path written."""
     name = os.fspath(path)
-    with open(name, "wb") as handle:
-        pickle.dump(data, handle, protocol=PICKLE_PROTOCOL)
+    replace_bytes(name, pickle.dumps(data, protocol=PICKLE_PROTOCOL))  # whole or not at all
     return name
 
 

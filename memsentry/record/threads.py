@@ -12,6 +12,10 @@ several trackers share without one thread ever changing what another is reading.
   was seen stepping an optimizer.
 - A census pauses the garbage collector; trackers in several threads pause it together
   (:func:`collector_paused`), and the last one to finish puts back what the user had.
+- The process's figures (the C heap on CPU, a device's allocator) count every thread's
+  memory. Each thread's optimizer steps and tracked iterations are counted
+  (:func:`mark_activity`), so that a tracker can say how many other threads ran a loop while
+  it tracked its own (:meth:`Owner.others`): the rules judge its figures on that.
 """
 
 from __future__ import annotations
@@ -27,20 +31,48 @@ from torch.utils.hooks import RemovableHandle
 
 StepListener = Callable[[Any, Any, Any], None]
 
+#: Optimizer steps and tracked iterations by thread, since the first tracker began. Each
+#: thread writes only its own entry; readers copy the dict whole.
+_activity: dict[int, int] = {}
+
+
+def mark_activity() -> None:
+    """Count a step of the calling thread's loop (an optimizer step, an iteration ended)."""
+    ident = threading.get_ident()
+    _activity[ident] = _activity.get(ident, 0) + 1
+
 
 class Owner:
-    """The thread whose loop a tracker measures."""
+    """The thread whose loop a tracker measures, and the other threads that ran a loop while
+    it did."""
 
-    __slots__ = ("adoptable", "ident")
+    __slots__ = ("_others", "_since", "adoptable", "ident")
 
     def __init__(self, *, adoptable: bool) -> None:
         self.ident: int | None = None
         # A tracker given a model follows the thread that calls it first, when that is not
         # the thread that started it (a loop started in one thread and run in another).
         self.adoptable = adoptable
+        self._since: dict[int, int] = {}
+        self._others: int | None = None  # frozen by release()
 
     def claim(self) -> None:
         self.ident = threading.get_ident()
+        self._since, self._others = dict(_activity), None
+
+    def others(self) -> int:
+        """How many threads other than the loop's stepped an optimizer or ended a tracked
+        iteration between :meth:`claim` and :meth:`release` (or now)."""
+        if self._others is not None:
+            return self._others
+        now = dict(_activity)
+        return sum(1 for ident, count in now.items()
+                   if ident != self.ident and count != self._since.get(ident, 0))
+
+    def release(self) -> None:
+        """Tracking ended: :meth:`others` keeps its count from now on."""
+        if self._others is None:
+            self._others = self.others()
 
     def mine(self) -> bool:
         return threading.get_ident() == self.ident
@@ -60,6 +92,7 @@ _steppers: set[int] = set()  # threads seen stepping an optimizer while the hook
 
 def _dispatch(optimizer: Any, args: Any, kwargs: Any) -> None:
     _steppers.add(threading.get_ident())
+    mark_activity()
     for listener in _listeners:
         listener(optimizer, args, kwargs)
 
@@ -125,4 +158,4 @@ def collector_paused() -> Iterator[None]:
 
 
 __all__ = ["Owner", "collector_paused", "forget_steps", "listen_to_steps",
-           "step_hook_ids"]
+           "mark_activity", "step_hook_ids"]

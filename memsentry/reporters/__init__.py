@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from memsentry.model import ReportData
+from memsentry.paths import replace_text
 from memsentry.reporters.base import Reporter
 from memsentry.reporters.html import HtmlReporter
 from memsentry.reporters.json import JsonReporter
@@ -49,8 +50,7 @@ def write_report(report: ReportData, path: str | os.PathLike[str], *, format: st
     ``view``, ...)."""
     name = format or format_of(path)
     reporter = make_reporter(name, **(options if name == TextReporter.name else {}))
-    with open(path, "w", encoding="utf-8") as handle:
-        reporter.render(report, handle)
+    replace_text(path, reporter.text(report) + "\n")
 
 
 __all__ = ["REPORTERS", "SUFFIXES", "HtmlReporter", "JsonReporter", "Reporter", "TextReporter",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
-
 from tabulate import tabulate
 
 from memsentry.model import (
@@ -14,6 +12,7 @@ from memsentry.model import (
     PinnedMemory,
     ReportData,
 )
+from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 
 _LABELS = {
@@ -65,8 +64,7 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     and nothing was pinned."""
     peak = report.breakdown.peak
     if peak is None:
-        return None if report.pinned is None else textwrap.fill(pinned_line(report.pinned),
-                                                                width)
+        return None if report.pinned is None else fill(pinned_line(report.pinned), width)
     index = next((it.index for it in report.iterations if it.parts is peak), None)
     heap = heap_at_start(report, peak)
     rows = []
@@ -98,7 +96,7 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
                      "read: the peak fell between the moments they were read.")
     if report.pinned is not None:
         lines.append(pinned_line(report.pinned))
-    return "\n".join(textwrap.fill(line, width) if "\n" not in line else line
+    return "\n".join(fill(line, width) if "\n" not in line else line
                      for line in lines)
 
 

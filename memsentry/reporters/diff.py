@@ -7,7 +7,6 @@ their :class:`~memsentry.model.LimitCheck`): every figure and change is read fro
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from memsentry.model.codec import to_plain
 from memsentry.model.diff import LayerChange, format_rate, format_share
 from memsentry.reporters.breakdown import _LABELS
 from memsentry.reporters.text import _NARROW, _fit, fit_layer_rows
+from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable_values
 
@@ -40,7 +40,7 @@ def _bytes_change(change: Change[int], *, sep: str = " ") -> str:
 
 def _fill(text: str, width: int, indent: str) -> str:
     """``text`` wrapped to ``width`` (words with hyphens, rule ids, kept whole)."""
-    return textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False)
+    return fill(text, width, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def _run_line(run: RunSummary) -> str:
@@ -132,7 +132,7 @@ def render_layers(diff: ReportDiff, *, top: int | None = 10, width: int = 100) -
     rows = [_layer_row(layer) for layer in shown]
     rule = fit_layer_rows(_LAYER_HEADERS, rows, width)
     of = f"; {len(shown)} of {changed} shown" if changed > len(shown) else ""
-    title = textwrap.fill(
+    title = fill(
         "Layers that changed most (activation: bytes saved for backward, or the output where "
         f"nothing was saved; fwd peak: the most its forward added; per call{of})",
         width, subsequent_indent="  ")

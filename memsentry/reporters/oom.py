@@ -3,9 +3,8 @@ added to the user's exception."""
 
 from __future__ import annotations
 
-import textwrap
-
 from memsentry.model import CATEGORIES, OutOfMemory
+from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable_values
 
@@ -47,21 +46,20 @@ def oom_note(oom: OutOfMemory) -> str:
 def render_oom(oom: OutOfMemory, *, width: int = 100) -> str:
     """The post-mortem section of the text report."""
     oom = printable_values(oom)
-    lines = [textwrap.fill(
+    lines = [fill(
         f"Out of memory: {oom.error} in the {oom.where} (iteration {oom.iteration}"
         + (f", batch {oom.batch}" if oom.batch else "") + f"){_asked(oom)}", width)]
-    lines.append(textwrap.fill(f"  held then: {_held(oom)}", width, subsequent_indent="    "))
+    lines.append(fill(f"  held then: {_held(oom)}", width, subsequent_indent="    "))
     if oom.device_free is not None:
         lines.append(f"  the allocator's observer: {format_bytes(oom.device_free)} free on the "
                      "device when it gave up")
     if oom.message:
-        lines.append(textwrap.fill(f"  error: {oom.message}", width, subsequent_indent="    "))
+        lines.append(fill(f"  error: {oom.message}", width, subsequent_indent="    "))
     if oom.largest:
         lines.append("  largest activations: " + ", ".join(
             f"`{entry.layer}` {format_bytes(entry.bytes)}" for entry in oom.largest))
     for fix in oom.fixes:
-        lines.append(textwrap.fill(f"  fix ({fix.kind}): {fix.text}", width,
-                                   subsequent_indent="    "))
+        lines.append(fill(f"  fix ({fix.kind}): {fix.text}", width, subsequent_indent="    "))
     return "\n".join(lines)
 
 

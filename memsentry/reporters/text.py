@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import textwrap
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -25,6 +24,7 @@ from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.processes import render_processes
 from memsentry.reporters.ranks import rank_line, render_ranks
+from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable_values
 
@@ -123,7 +123,7 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
         if top is not None:
             limits.append(f"top {top} by footprint")
         title += f"; {len(shown)} of {len(report.layers)} shown: {', '.join(limits)}"
-    title = textwrap.fill(title + ")", width, subsequent_indent="  ")
+    title = fill(title + ")", width, subsequent_indent="  ")
     table = tabulate([*map(list, _LAYER_HEADERS), rule, *rows], tablefmt=_NARROW,
                      colalign=("left", "left") + ("right",) * 9, disable_numparse=True)
     return f"{title}\n{table}"
@@ -167,7 +167,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
                 if any(it.reserved is None for it in its) else "")
              + ("; resident: the whole process, as the system counts it" if resident else "")
              + ")")
-    lines = [textwrap.fill(title, width, subsequent_indent="  "), table]
+    lines = [fill(title, width, subsequent_indent="  "), table]
     closed = complete(its)
     if closed:
         median_s = statistics.median(it.seconds for it in closed)
@@ -176,7 +176,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
         if slope is not None:
             summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
             summary += " after the first iteration"
-        lines.append(textwrap.fill(summary, width))
+        lines.append(fill(summary, width))
     return "\n".join(lines)
 
 
@@ -189,9 +189,8 @@ def render_findings(report: ReportData, *, width: int = 100) -> str:
         severity = str(finding.severity).upper()
         rank = "" if finding.rank is None else f"rank {finding.rank}: "
         head = f"  {severity:5} {rank}{finding.rule}{where}: {finding.message}"
-        lines.append(textwrap.fill(head, width, subsequent_indent="        "))
-        lines.append(textwrap.fill(f"        fix: {finding.fix}", width,
-                                   subsequent_indent="             "))
+        lines.append(fill(head, width, subsequent_indent="        "))
+        lines.append(fill(f"        fix: {finding.fix}", width, subsequent_indent=" " * 13))
     return "\n".join(lines)
 
 
@@ -213,7 +212,7 @@ def render_header(report: ReportData, *, width: int = 100) -> str:
         parts.append(process)
     if report.nvml is not None:
         parts.append(_nvml_line(report.nvml))
-    return "\n".join(textwrap.fill(part, width, subsequent_indent="  ") for part in parts)
+    return "\n".join(fill(part, width, subsequent_indent="  ") for part in parts)
 
 
 def _process_line(report: ReportData) -> str | None:
@@ -265,7 +264,7 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
     character is an escape."""
     _checked_view(view)
     report = printable_values(report)
-    sections = [textwrap.fill(headline(report), width, subsequent_indent="  ")]
+    sections = [fill(headline(report), width, subsequent_indent="  ")]
     if report.oom is not None:
         sections.append(render_oom(report.oom, width=width))
     if report.findings:
@@ -286,7 +285,7 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
         sections.append(processes)
     if report.notes:
         sections.append("\n".join(
-            textwrap.fill(f"note: {note}", width, subsequent_indent="      ")
+            fill(f"note: {note}", width, subsequent_indent="      ")
             for note in report.notes
         ))
     return "\n\n".join(sections)

@@ -19,6 +19,7 @@ from memsentry.rules import growth, nograd, exceptions  # noqa: F401
 from memsentry.rules import device, timing, loopvars, headroom, workers  # noqa: F401
 # isort: on
 from memsentry.model import Finding, ReportData, Severity
+from memsentry.rules.growth import growth_note
 from memsentry.rules.registry import RULES, Rule
 
 #: The ids of the rules that name what makes memory grow.
@@ -43,4 +44,12 @@ def analyse(report: ReportData, rules: Sequence[str] | None = None) -> tuple[Fin
     return tuple(findings)
 
 
-__all__ = ["CAUSES", "RULES", "Rule", "analyse"]
+def remarks(report: ReportData, findings: Sequence[Finding]) -> tuple[str, ...]:
+    """The rules' notes on ``report``, whose findings are ``findings``: a growth left
+    unjudged, and why (none when a finding names a cause of growth)."""
+    if any(_is_cause(f) for f in findings):
+        return ()
+    return tuple(filter(None, [growth_note(report)]))
+
+
+__all__ = ["CAUSES", "RULES", "Rule", "analyse", "remarks"]

@@ -12,7 +12,12 @@ from memsentry.model import (
     SubjectKind,
 )
 from memsentry.rules.registry import rule
-from memsentry.rules.resident import PILE_UP_FIX, python_values, resident_growth
+from memsentry.rules.resident import (
+    PILE_UP_FIX,
+    python_values,
+    resident_climb,
+    resident_growth,
+)
 from memsentry.rules.series import (
     MIN_CENSUSES,
     WARMUP,
@@ -20,6 +25,7 @@ from memsentry.rules.series import (
     complete_censuses,
     steady_growth,
 )
+from memsentry.rules.threads import other_threads_grew
 from memsentry.units import format_bytes
 
 RULE_ID = "memory-growth"
@@ -58,6 +64,21 @@ def _not_tensors(message: str, its: list[IterationStats], rate: float) -> tuple[
             "track(exact=True) (or `memsentry run --exact`): a leak of tensors shows there")
 
 
+def _judged(report: ReportData) -> tuple[list[Finding], str | None]:
+    """The rule's findings, or, for a growth other threads may have made (see
+    :mod:`memsentry.rules.threads`), none and the note that says why."""
+    complete = after_warmup(report)
+    if len(complete) < MIN_ITERATIONS:
+        return [], None
+    growth = steady_growth(complete)
+    if growth is not None:
+        note = other_threads_grew(report, complete, "allocated", growth[0])
+        return ([], note) if note else (_allocated_growth(report, complete, growth), None)
+    climb = resident_climb(complete)
+    note = other_threads_grew(report, climb[0], "resident", climb[1]) if climb else None
+    return ([], note) if note else (resident_growth(report, complete), None)
+
+
 @rule(RULE_ID, severities={Severity.LEAK, Severity.HINT}, fallback=True)
 def memory_growth(report: ReportData) -> list[Finding]:
     """Allocated memory climbs steadily after warm-up, at identical iteration boundaries, and
@@ -68,14 +89,22 @@ def memory_growth(report: ReportData) -> list[Finding]:
     heap (CPU's default backend) and the censuses saw the tensors the loop can reach stay
     flat, the growth is not tensor memory: a hint, not a leak. When the allocator's count is
     flat but the process's resident memory climbs, a hint says so and what the readings tell
-    of its source (:mod:`memsentry.rules.resident`).
+    of its source (:mod:`memsentry.rules.resident`). When other threads ran loops in the
+    process and what this loop holds stayed flat, the growth is not judged
+    (:func:`growth_note` says so).
     """
-    complete = after_warmup(report)
-    if len(complete) < MIN_ITERATIONS:
-        return []
-    growth = steady_growth(complete)
-    if growth is None:
-        return resident_growth(report, complete)
+    return _judged(report)[0]
+
+
+def growth_note(report: ReportData) -> str | None:
+    """Why a growth of figures that count the whole process was not judged: other threads
+    ran loops, and nothing this loop holds grew; ``None`` otherwise."""
+    return _judged(report)[1]
+
+
+def _allocated_growth(report: ReportData, complete: list[IterationStats],
+                      growth: tuple[float, float]) -> list[Finding]:
+    """The finding for allocated memory that climbs at ``growth`` (rate, share rising)."""
     rate, rising = growth
     first, last = complete[0], complete[-1]
     grown = last.allocated - first.allocated
@@ -136,4 +165,4 @@ def memory_growth(report: ReportData) -> list[Finding]:
     ]
 
 
-__all__ = ["MIN_ITERATIONS", "RULE_ID", "WARMUP", "memory_growth"]
+__all__ = ["MIN_ITERATIONS", "RULE_ID", "WARMUP", "growth_note", "memory_growth"]

@@ -68,22 +68,35 @@ def _source(report: ReportData, its: Sequence[IterationStats], rate: float) -> t
             "shape, or set MALLOC_ARENA_MAX=2 (glibc) to rule fragmentation out")
 
 
-def resident_growth(report: ReportData, its: list[IterationStats]) -> list[Finding]:
-    """A hint when the process's resident memory climbs steadily over ``its`` (the complete
-    iterations after warm-up) by :data:`MIN_GROWTH` at least, and the allocator's count
-    (``allocated``: tensors, or the C heap on CPU's default backend) explains less than
-    :data:`MAX_EXPLAINED` of it."""
+def resident_climb(its: list[IterationStats]
+                   ) -> tuple[list[IterationStats], float, float] | None:
+    """(the iterations of ``its`` with a reading, bytes per iteration, share of rising steps)
+    when the process's resident memory climbs steadily over ``its`` (the complete iterations
+    after warm-up) by :data:`MIN_GROWTH` at least, and the allocator's count (``allocated``:
+    tensors, or the C heap on CPU's default backend) explains less than
+    :data:`MAX_EXPLAINED` of it; else ``None``."""
     read = [it for it in its if it.resident is not None]
     climb = steady_climb([(it.index, it.resident) for it in read if it.resident is not None])
     if climb is None:
-        return []
+        return None
     rate, rising = climb
+    grown = (read[-1].resident or 0) - (read[0].resident or 0)
+    if grown < MIN_GROWTH or _rate(read, "allocated") >= MAX_EXPLAINED * rate:
+        return None
+    return read, rate, rising
+
+
+def resident_growth(report: ReportData, its: list[IterationStats]) -> list[Finding]:
+    """A hint when the process's resident memory climbs while the allocator's count stays
+    flat (see :func:`resident_climb`), with what the readings tell of its source."""
+    climb = resident_climb(its)
+    if climb is None:
+        return []
+    read, rate, rising = climb
     first, last = read[0], read[-1]
     assert first.resident is not None and last.resident is not None
     grown = last.resident - first.resident
     counted = _rate(read, "allocated")
-    if grown < MIN_GROWTH or counted >= MAX_EXPLAINED * rate:
-        return []
     source, fix = _source(report, read, rate)
     what = "the process heap" if report.measured == Measured.HEAP else "tensors"
     message = (
@@ -98,4 +111,4 @@ def resident_growth(report: ReportData, its: list[IterationStats]) -> list[Findi
                     iteration=last.index)]
 
 
-__all__ = ["MIN_GROWTH", "PILE_UP_FIX", "python_values", "resident_growth"]
+__all__ = ["MIN_GROWTH", "PILE_UP_FIX", "python_values", "resident_climb", "resident_growth"]
