@@ -36,9 +36,10 @@ from memsentry.record.layers import (
 from memsentry.record.parts import Parts
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
-from memsentry.record.saved import SavedTensors
+from memsentry.record.saved import SavedTensors, top_hooks
 from memsentry.record.threads import Owner
 from memsentry.record.timeline import IterationClock
+from memsentry.record.versions import learn as learn_wording
 from memsentry.usercode.frames import is_user_class, source_file, spelled_name, user_frames
 from memsentry.usercode.savedhooks import registers_saved_hooks
 
@@ -150,6 +151,7 @@ class ForwardRecorder:
         saved tensors, memsentry's saved-tensor hooks stay off."""
         install_invisibility()
         self._invisible = True
+        learn_wording(top_hooks(False) is not None)
         where = registers_saved_hooks(user_files(model, frame))
         if where is not None:
             self.leave_saved_to(where)

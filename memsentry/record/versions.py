@@ -16,7 +16,8 @@ text is torch's. That file builds the text from
 How a node's name is spelled and what the hint says change between releases (2.13 writes
 "output 0 of Sigmoid" and "set_detect_anomaly(True, check_nan=False)", older ones
 "SigmoidBackward0" and "set_detect_anomaly(True)"), so the wording is learned once per mode
-from torch itself: a sigmoid's output changed in place, run without hooks.
+from torch itself: a sigmoid's output changed in place, run without hooks, on the CPU, when
+tracking starts (:func:`learn`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def describe(tensor: torch.Tensor) -> str:
 
 def parse(text: str) -> Wording | None:
     """The wording of torch's message for the probe, or ``None`` when it is not recognised."""
-    marker = f"[{describe(torch.empty(_PROBE_SHAPE))}]"
+    marker = f"[{describe(torch.empty(_PROBE_SHAPE, dtype=torch.float32, device='cpu'))}]"
     opening, found, tail = text.partition(marker)
     matched = _TAIL.fullmatch(tail) if found else None
     if matched is None:
@@ -85,9 +86,11 @@ def parse(text: str) -> Wording | None:
 
 
 def _probe() -> str:
-    x = torch.zeros(_PROBE_SHAPE, requires_grad=True)
-    with torch.enable_grad(), warnings.catch_warnings():
+    """torch's message for the probe (on the CPU whatever the default device, so that no
+    device is touched; with autograd on whatever the mode the caller is in)."""
+    with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode warns with the forward's traceback
+        x = torch.zeros(_PROBE_SHAPE, dtype=torch.float32, device="cpu", requires_grad=True)
         out = x.sigmoid()
         out.mul_(2)
         try:
@@ -104,8 +107,15 @@ def wording(has_hooks: bool) -> Wording:
     known = _learned.get(anomaly)
     if known is not None:
         return known
-    if has_hooks:
+    found = None if has_hooks else parse(_probe())
+    if found is None:
         return FALLBACK[anomaly]
-    found = parse(_probe()) or FALLBACK[anomaly]
     _learned[anomaly] = found
     return found
+
+
+def learn(has_hooks: bool) -> None:
+    """Learn torch's wording for the current anomaly mode now (once per process), at the
+    start of tracking: before memsentry's hooks are on, and before a census that reads a
+    changed saved tensor would run the probe in the middle of the program's own work."""
+    wording(has_hooks)
