@@ -19,7 +19,7 @@ from memsentry.measure.accelerator import accelerator_type
 from memsentry.measure.cuda import OOM_OBSERVER
 from memsentry.measure.devices import supported_device_types
 
-KiB, MiB = 1 << 10, 1 << 20
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 class FakeAllocator:
@@ -118,21 +118,59 @@ def test_track_on_the_accelerator_follows_its_counters(xpu: FakeAllocator) -> No
     assert report.total_memory == 64 * 1024 * MiB
 
 
+def format_size(size: int) -> str:
+    """A size as torch's allocators print it in their messages (c10's ``format_size``, used
+    by c10/cuda/CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp): ``N bytes`` up
+    to 1024, then KiB up to 1 MiB, MiB up to 1 GiB, else GiB, with two decimals."""
+    if size <= 1024:
+        return f"{size} bytes"
+    for unit, scale in (("KiB", KiB), ("MiB", MiB)):
+        if size <= 1024 * scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / GiB:.2f} GiB"
+
+
 class FakeCachingAllocator:
-    """CUDA's caching allocator in miniature: requests round up to 512 bytes; small ones
-    (up to 1 MiB) come from 2 MiB segments, larger ones from a 20 MiB segment (up to 10 MiB)
-    or their own segment rounded to 2 MiB; freed blocks stay cached (reserved); the peak
-    counter only resets when asked; a segment beyond the device raises OutOfMemoryError. Until
-    CUDA is initialised (``initialized``, set by the first allocation or by hand), the raw
-    statistics call refuses the device index, as torch's does."""
+    """CUDA's caching allocator in miniature, as c10/cuda/CUDACachingAllocator.cpp does it:
+
+    - ``round_size``: requests round up to 512 bytes (kMinBlockSize);
+    - ``get_allocation_size``: a new segment is 2 MiB for a request up to 1 MiB (kSmallSize,
+      kSmallBuffer), 20 MiB for one under 10 MiB (kMinLargeAlloc, kLargeBuffer), else the
+      request rounded up to 2 MiB (kRoundLarge); freed blocks stay cached (reserved);
+    - ``alloc_block``: with a fraction set (``limit``, as ``setMemoryFraction`` makes
+      ``allowed_memory_maximum``), a segment that would take the reserved bytes past it
+      fails; otherwise cudaMalloc fails when the device has too little free (``others``
+      stands for what other processes hold);
+    - ``malloc``, when no segment can be had: each out-of-memory observer is called as
+      ``(device, alloc_size, set_fraction ? allowed_memory_maximum : device_total,
+      device_free)``, then ``OutOfMemoryError`` is raised with "CUDA out of memory. Tried to
+      allocate <alloc_size>. GPU 0 has a total capacity of <total> of which <free> is free.
+      [<limit> allowed; ]Of the allocated memory ...". (torch first frees its unused cached
+      segments and retries; the fake does not, which leaves reserved plus free unchanged);
+    - the peak counter only resets when asked (``resetPeakStats``);
+    - until CUDA is initialised (``initialized``, set by the first allocation or by hand),
+      the raw statistics call refuses the device index, as torch's does;
+    - ``torch.cuda.get_allocator_backend()`` says ``native`` (torch/csrc/cuda/Module.cpp
+      returns the allocator's ``name()``)."""
+
+    backend = "native"
 
     def __init__(self, total: int = 80 * 1024 * MiB, *, initialized: bool = True) -> None:
         self.total = total
         self.initialized = initialized
+        self.limit: int | None = None  # set_per_process_memory_fraction's cap
+        self.others = 0  # what other processes hold on the device
         self.allocated = self.reserved = self.peak = 0
         self.cached = {"small": 0, "large": 0}
         self.resets = 0
         self.observers: list[Callable[[int, int, int, int], None]] = []
+
+    def set_fraction(self, fraction: float) -> None:
+        self.limit = int(fraction * self.total)
+
+    @property
+    def device_free(self) -> int:
+        return self.total - self.others - self.reserved
 
     def malloc(self, size: int) -> int:
         self.initialized = True
@@ -140,20 +178,33 @@ class FakeCachingAllocator:
         pool = "small" if size <= MiB else "large"
         if self.cached[pool] < size:
             segment = 2 * MiB if pool == "small" else (
-                20 * MiB if size <= 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
-            if self.reserved + segment > self.total:
-                for observer in self.observers:  # as the allocator does before raising
-                    observer(0, size, self.allocated, self.total - self.reserved)
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {size / MiB:.2f} MiB. GPU 0 has a "
-                    f"total capacity of {self.total / 1024 / MiB:.2f} GiB of which "
-                    f"{(self.total - self.reserved) / MiB:.2f} MiB is free.")
+                20 * MiB if size < 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
+            if not self.fits(segment):
+                self.out_of_memory(segment)
             self.reserved += segment
             self.cached[pool] += segment
         self.cached[pool] -= size
         self.allocated += size
         self.peak = max(self.peak, self.allocated)
         return size
+
+    def fits(self, segment: int) -> bool:
+        if self.limit is not None and self.reserved + segment > self.limit:
+            return False
+        return segment <= self.device_free
+
+    def out_of_memory(self, segment: int) -> None:
+        for observer in self.observers:  # as the allocator does before raising
+            observer(0, segment, self.total if self.limit is None else self.limit,
+                     self.device_free)
+        allowed = "" if self.limit is None else f"{format_size(self.limit)} allowed; "
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_size(segment)}. GPU 0 has a "
+            f"total capacity of {format_size(self.total)} of which "
+            f"{format_size(self.device_free)} is free. {allowed}Of the allocated memory "
+            f"{format_size(self.allocated)} is allocated by PyTorch, and "
+            f"{format_size(self.reserved - self.allocated)} is reserved by PyTorch but "
+            "unallocated.")
 
     def free(self, size: int) -> None:
         self.allocated -= size
@@ -164,6 +215,22 @@ class FakeCachingAllocator:
             raise RuntimeError("Invalid device argument")
         return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
                 "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved}}}
+
+    def flat(self, index: int | None = None) -> dict[str, int]:
+        """``torch.cuda.memory_stats()`` (torch/cuda/memory.py: ``{}`` before CUDA is
+        initialised)."""
+        if not self.initialized:
+            return {}
+        return {"allocated_bytes.all.current": self.allocated,
+                "allocated_bytes.all.peak": self.peak,
+                "reserved_bytes.all.current": self.reserved}
+
+    def reset_peak(self, index: int | None = None) -> None:
+        self.peak = self.allocated
+        self.resets += 1
+
+    def attach_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
+        self.observers.append(observer)
 
 
 class FakePinnedAllocator:
@@ -206,34 +273,38 @@ class FakePinnedAllocator:
                 "allocations.current": sum(self.blocks.values())}
 
 
-@pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
-    fake = FakeCachingAllocator()
+def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCachingAllocator) -> None:
+    """Put ``fake`` where memsentry reads CUDA: ``torch.cuda``'s functions (its readers
+    answer from ``memory_stats()``, as torch/cuda/memory.py's do), the raw statistics call
+    and the out-of-memory observer's binding."""
     fake.pinned = FakePinnedAllocator()  # type: ignore[attr-defined]
-
-    def reset(index: int | None = None) -> None:
-        fake.peak = fake.allocated
-        fake.resets += 1
-
     for name, value in {
         "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
         "is_initialized": lambda: fake.initialized,
-        "memory_allocated": lambda index=None: fake.allocated,
-        "max_memory_allocated": lambda index=None: fake.peak,
-        "memory_reserved": lambda index=None: fake.reserved,
-        "reset_peak_memory_stats": reset,
+        "get_allocator_backend": lambda: fake.backend,
+        "memory_allocated": lambda index=None: fake.flat(index).get(
+            "allocated_bytes.all.current", 0),
+        "max_memory_allocated": lambda index=None: fake.flat(index).get(
+            "allocated_bytes.all.peak", 0),
+        "memory_reserved": lambda index=None: fake.flat(index).get(
+            "reserved_bytes.all.current", 0),
+        "reset_peak_memory_stats": fake.reset_peak,
         "get_device_properties": lambda index=None: types.SimpleNamespace(
             total_memory=fake.total, name="Fake GPU"),
-        "memory_stats": lambda index=None: {
-            "allocated_bytes.all.current": fake.allocated,
-            "reserved_bytes.all.current": fake.reserved},
+        "memory_stats": fake.flat,
         "host_memory_stats": fake.pinned.stats,  # type: ignore[attr-defined]
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_memoryStats", fake.nested, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
-                        fake.observers.append, raising=False)
+                        fake.attach_observer, raising=False)
     monkeypatch.setattr(OOM_OBSERVER, "attached", False)  # attach to this fake
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
+    fake = FakeCachingAllocator()
+    install(monkeypatch, fake)
     return fake
 
 
@@ -387,7 +458,7 @@ def test_an_out_of_memory_error_on_cuda_is_explained_with_the_allocator_figures(
                 model(torch.randn(8, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-    assert str(caught.value).startswith("CUDA out of memory. Tried to allocate 128000.00 MiB")
+    assert str(caught.value).startswith("CUDA out of memory. Tried to allocate 125.00 GiB")
     oom = t.report().oom
     assert oom is not None
     assert (oom.phase, oom.layer, oom.iteration, oom.batch) == ("forward", "1", 3, 8)

@@ -10,6 +10,10 @@ interval only when the counter rose during it (a new high: exact); otherwise the
 samples give a lower bound. ``exact=True`` resets the counter at every sample to get every
 interval's true peak, and then ``torch.cuda.max_memory_allocated()`` only reflects the time
 since memsentry's last sample.
+
+Allocators (:mod:`memsentry.measure.allocators`): under ``backend:cudaMallocAsync`` the same
+totals are read and no out-of-memory observer is attached (torch refuses one); under a
+pluggable allocator torch refuses every counter and the backend measures nothing, saying so.
 """
 
 from __future__ import annotations
@@ -19,18 +23,32 @@ from typing import Any
 
 import torch
 
+from memsentry.measure.allocators import (
+    PLUGGABLE_REFUSAL,
+    async_note,
+    support,
+    unmeasured_note,
+)
 from memsentry.measure.base import IntervalPeak
 from memsentry.model import Measured, PeakMode, PinnedMemory
+from memsentry.model.allocators import CudaAllocator
 
 
 @dataclass(frozen=True)
 class AllocatorOom:
-    """What the caching allocator's out-of-memory observer told: the device, the size it
-    could not allocate, what it had allocated and what the device had free then."""
+    """What the caching allocator told its out-of-memory observers when it gave up.
+
+    c10/cuda/CUDACachingAllocator.cpp (``DeviceCachingAllocator::malloc``) calls each one as
+    ``obs(device, alloc_size, set_fraction ? allowed_memory_maximum : device_total,
+    device_free)``: ``segment`` is ``alloc_size``, the segment it asked the driver for
+    (``get_allocation_size``: 2 MiB for a request up to 1 MiB, 20 MiB for one up to 10 MiB,
+    larger ones rounded up to 2 MiB), not the tensor's own size; ``limit`` is the cap
+    ``set_per_process_memory_fraction`` set, else the device's memory; ``free`` is what
+    ``cudaMemGetInfo`` said was free on the device."""
 
     device: int
-    requested: int
-    allocated: int
+    segment: int
+    limit: int
     free: int
 
 
@@ -54,11 +72,9 @@ class _OomObserver:
             return
         self.attached = True
 
-    def _observed(self, device: int, alloc: int, device_allocated: int,
-                  device_free: int) -> None:
+    def _observed(self, device: int, segment: int, limit: int, device_free: int) -> None:
         self.count += 1
-        self.last = AllocatorOom(int(device), int(alloc), int(device_allocated),
-                                 int(device_free))
+        self.last = AllocatorOom(int(device), int(segment), int(limit), int(device_free))
 
 
 OOM_OBSERVER = _OomObserver()
@@ -83,9 +99,14 @@ def read_pinned() -> PinnedMemory | None:
 
 
 class CudaBackend:
-    """Allocated, reserved and peak bytes of one CUDA device from the caching allocator."""
+    """Allocated, reserved and peak bytes of one CUDA device from its allocator's counters.
 
-    name = "cuda-caching-allocator"
+    Under a pluggable allocator torch refuses every counter: the backend measures nothing
+    (every figure reads 0, the device's memory is not given, so that no rule judges it) and
+    says why in its notes. A refusal met later, in a hook (a torch that names no allocator,
+    an allocator swapped after tracking began), makes it step aside the same way: no call it
+    makes raises into the training loop."""
+
     measured = Measured.TENSORS
 
     def __init__(self, device: torch.device, *, exact: bool = False) -> None:
@@ -94,25 +115,36 @@ class CudaBackend:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self._index = index
+        self.support = support()
+        self.name = self.support.backend_name
         self.peak_mode = PeakMode.EXACT if exact else PeakMode.SAMPLED
-        if exact:
-            self.notes: tuple[str, ...] = (
-                "CUDA peaks are exact: memsentry reset the allocator's peak counter at every "
-                "hook, so torch.cuda.max_memory_allocated() now reads from its last sample.",
-            )
-        else:
-            self.notes = (
-                "CUDA peaks use the allocator's peak counter when it rose, else samples taken "
-                "at hooks (lower bounds); torch.cuda.max_memory_allocated() is left untouched.",
-            )
-        raw = getattr(torch._C, "_cuda_memoryStats", None)
-        self._raw_stats = raw
-        self._peak = IntervalPeak(
-            self._read()[2], lambda: torch.cuda.reset_peak_memory_stats(index), exact=exact
-        )
+        self.notes: tuple[str, ...] = _peak_notes(exact)
+        if self.support.allocator is CudaAllocator.ASYNC:
+            self.notes += (async_note(self.device),)
+        self._raw_stats = getattr(torch._C, "_cuda_memoryStats", None)
+        self._blind = False
+        if not self.support.counters:
+            self._step_aside(PLUGGABLE_REFUSAL)
+        self._peak = IntervalPeak(self._read()[2], self._reset_peak, exact=exact)
+
+    def _step_aside(self, refusal: str) -> None:
+        """Measure nothing from now on, and say why (``refusal``: torch's words)."""
+        self._blind = True
+        self.peak_mode = PeakMode.SAMPLED
+        self.notes = (unmeasured_note(self.device, refusal),)
 
     def _read(self) -> tuple[int, int, int]:
-        """(allocated, reserved, peak allocated) in one allocator call."""
+        """(allocated, reserved, peak allocated) in one allocator call; zeros once the
+        allocator refused."""
+        if self._blind:
+            return 0, 0, 0
+        try:
+            return self._read_counters()
+        except Exception as error:  # torch refused: the loop must not see it
+            self._step_aside(first_sentence(error))
+            return 0, 0, 0
+
+    def _read_counters(self) -> tuple[int, int, int]:
         # The raw call refuses a device index before CUDA is initialised ("Invalid device
         # argument"); torch's own readers answer 0 then.
         if self._raw_stats is not None and torch.cuda.is_initialized():
@@ -128,32 +160,54 @@ class CudaBackend:
             torch.cuda.max_memory_allocated(self._index),
         )
 
+    def _reset_peak(self) -> None:
+        if self._blind:
+            return
+        try:
+            torch.cuda.reset_peak_memory_stats(self._index)
+        except Exception as error:
+            self._step_aside(first_sentence(error))
+
     def sample(self) -> tuple[int, int | None]:
         allocated, _, peak = self._read()
-        return allocated, self._peak.read(peak)
+        return allocated, None if self._blind else self._peak.read(peak)
 
     def allocated(self) -> int:
-        if self._raw_stats is not None and torch.cuda.is_initialized():
-            return int(self._raw_stats(self._index)["allocated_bytes"]["all"]["current"])
-        return torch.cuda.memory_allocated(self._index)
+        return self._read()[0]
 
     def reserved(self) -> int | None:
-        return torch.cuda.memory_reserved(self._index)
+        reserved = self._read()[1]
+        return None if self._blind else reserved
 
     def peak_since_last_read(self) -> int | None:
-        return self._peak.read(self._read()[2])
+        peak = self._read()[2]
+        return None if self._blind else self._peak.read(peak)
 
     def total_memory(self) -> int | None:
+        if self._blind:
+            return None
         return int(torch.cuda.get_device_properties(self._index).total_memory)
 
     def stats(self) -> dict[str, Any]:
-        return dict(torch.cuda.memory_stats(self._index))
+        if self._blind:
+            return {}
+        try:
+            return dict(torch.cuda.memory_stats(self._index))
+        except Exception as error:
+            self._step_aside(first_sentence(error))
+            return {}
 
     def summary(self) -> str:
-        return torch.cuda.memory_summary(self._index, abbreviated=True)
+        if not self._blind:
+            try:
+                return torch.cuda.memory_summary(self._index, abbreviated=True)
+            except Exception as error:
+                self._step_aside(first_sentence(error))
+        return self.notes[0]
 
     def start(self) -> None:
-        OOM_OBSERVER.attach()
+        if self.support.observer:
+            OOM_OBSERVER.attach()
         self._oom_seen = OOM_OBSERVER.count
 
     def oom(self) -> AllocatorOom | None:
@@ -166,3 +220,20 @@ class CudaBackend:
 
     def stop(self) -> None:
         return None
+
+
+def first_sentence(error: BaseException) -> str:
+    """The first sentence of torch's message (``CUDAPluggableAllocator does not yet support
+    getDeviceStats``), without the issue-filing request or a C++ stack that may follow."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return text.splitlines()[0].split(". ")[0]
+
+
+def _peak_notes(exact: bool) -> tuple[str, ...]:
+    if exact:
+        return ("CUDA peaks are exact: memsentry reset the allocator's peak counter at every "
+                "hook, so torch.cuda.max_memory_allocated() now reads from its last sample.",)
+    return ("CUDA peaks use the allocator's peak counter when it rose, else samples taken at "
+            "hooks (lower bounds); torch.cuda.max_memory_allocated() is left untouched.",)

@@ -10,22 +10,23 @@ otherwise the tracked block's exit finds the phase from the traceback: autograd'
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
+from memsentry.measure import MemoryBackend
 from memsentry.measure.cuda import CudaBackend
 from memsentry.model import OutOfMemory, Phase
+from memsentry.record.oomtext import OomText, read_message
 from memsentry.record.sampler import Moment, Sampler, at_moment, with_outside
 from memsentry.record.timeline import IterationClock
-from memsentry.units import parse_size
 
-#: Phrases of the allocators' out-of-memory messages (CPU, CUDA, MPS, XPU).
+#: Phrases of the allocators' out-of-memory messages (CPU, CUDA's caching and cudaMallocAsync
+#: allocators, MPS, XPU).
 MARKERS = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory",
-           "MPS backend out of memory", "XPU out of memory")
-_CPU_SIZE = re.compile(r"you tried to allocate (\d+) bytes")
-_DEVICE_SIZE = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|B)\b")
+           "would exceed allowed memory. (out of memory)", "MPS backend out of memory",
+           "XPU out of memory")
 
 
 def out_of_memory_type() -> type[BaseException] | None:
@@ -45,16 +46,7 @@ def is_out_of_memory(error: BaseException | None) -> bool:
 
 def requested_bytes(message: str) -> int | None:
     """The size of the failed allocation, as the allocator's message gives it."""
-    found = _CPU_SIZE.search(message)
-    if found:
-        return int(found.group(1))
-    found = _DEVICE_SIZE.search(message)
-    if found:
-        try:
-            return parse_size(f"{found.group(1)} {found.group(2)}")
-        except ValueError:
-            return None
-    return None
+    return read_message(message).requested
 
 
 def phase_of(traceback: TracebackType | None) -> Phase:
@@ -98,10 +90,56 @@ class FailureWatch:
         return self.error_id == id(error)
 
 
+@dataclass(frozen=True)
+class _Figures:
+    """The sizes an out-of-memory post-mortem states (see :class:`OutOfMemory`)."""
+
+    requested: int | None
+    segment: bool
+    capacity: int | None
+    free: int | None = None
+    limit: int | None = None
+    reserved: int | None = None
+    total: int | None = None
+
+
+def ceiling(limit: int | None, reserved: int | None, free: int | None) -> int | None:
+    """The most a CUDA allocator could hold: its ``limit``, and no more than what it
+    ``reserved`` plus what was ``free`` on the device (others' memory, the CUDA context)."""
+    if limit is None or reserved is None or free is None:
+        return limit
+    return min(limit, reserved + free)
+
+
+def _cuda_figures(backend: CudaBackend, said: OomText) -> _Figures:
+    """The sizes from the allocator's observer where it told them, else from its message."""
+    observed = backend.oom()
+    total = said.total or backend.total_memory()
+    limit = observed.limit if observed is not None else said.limit
+    if limit is None or (total is not None and limit > total):
+        limit = total  # no fraction set (cudaMallocAsync then prints UINT64_MAX)
+    free = observed.free if observed is not None else said.free
+    reserved = backend.reserved()
+    requested = observed.segment if observed is not None else said.requested
+    return _Figures(requested, observed is not None or said.segment,
+                    ceiling(limit, reserved, free) or backend.total_memory(), free=free,
+                    limit=limit, reserved=reserved, total=total)
+
+
+def figures(backend: MemoryBackend, message: str) -> _Figures:
+    """The sizes of an out-of-memory error on ``backend``'s device: on CUDA the allocator's
+    own; elsewhere the size the message gives, in the device's memory."""
+    said = read_message(message)
+    if isinstance(backend, CudaBackend):
+        return _cuda_figures(backend, said)
+    return _Figures(said.requested, said.segment, backend.total_memory())
+
+
 def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
             clock: IterationClock) -> OutOfMemory | None:
     """What the tracked block's out-of-memory ``error`` ran into (``None`` when it is another
-    error, or nothing was measured): where, the size asked for, the parts of memory then."""
+    error, or nothing was measured): where, the size asked for, the parts of memory then,
+    and what the allocator could have held."""
     backend = sampler.backend
     if backend is None or not is_out_of_memory(error):
         return None
@@ -113,16 +151,15 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
         layer = moment[5] if phase is Phase.BACKWARD else None
     parts = at_moment(moment, with_outside(sampler, total), phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
-    requested = requested_bytes(str(error))
-    observed = backend.oom() if isinstance(backend, CudaBackend) else None
+    sizes = figures(backend, str(error))
     return OutOfMemory(
         error=type(error).__name__, message=(lines[0] if lines else "")[:500], phase=phase,
-        layer=layer, iteration=clock.index,
-        requested_bytes=observed.requested if observed is not None else requested,
-        breakdown=parts, capacity=backend.total_memory(), batch=clock.batch,
-        device_free=observed.free if observed is not None else None,
+        layer=layer, iteration=clock.index, requested_bytes=sizes.requested,
+        breakdown=parts, capacity=sizes.capacity, batch=clock.batch,
+        device_free=sizes.free, segment=sizes.segment, limit=sizes.limit,
+        reserved=sizes.reserved, device_total=sizes.total,
     )
 
 
-__all__ = ["MARKERS", "FailureWatch", "explain", "is_out_of_memory", "phase_of",
-           "requested_bytes"]
+__all__ = ["MARKERS", "FailureWatch", "ceiling", "explain", "figures", "is_out_of_memory",
+           "phase_of", "requested_bytes"]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memsentry.measure import StorageBackend, device_of_module
+from memsentry.measure.allocators import history_refused
 from memsentry.measure.history import CudaHistory, History, Snapshot
 from memsentry.paths import replace_bytes
 from memsentry.record.options import Options
@@ -93,9 +94,7 @@ class SnapshotRecording:
                 self._backend = backend
             elif (device is not None and device.type == "cuda") or (
                     device is None and torch.cuda.is_available()):
-                cuda = CudaHistory(self.max_entries)
-                cuda.start()  # the device is picked at the first call: most likely CUDA
-                self._cuda = cuda
+                self._start_cuda()
             else:
                 self.notes.append(
                     f"No memory_viz snapshot: {device or 'the device'} was measured with "
@@ -104,6 +103,16 @@ class SnapshotRecording:
         except Exception as error:  # recording is an extra: the run goes on without it
             self._history = self._backend = self._cuda = None
             self.notes.append(f"No memory_viz snapshot: recording could not start ({error}).")
+
+    def _start_cuda(self) -> None:
+        """Switch the CUDA allocator's history on, where its allocator keeps one."""
+        refused = history_refused()
+        if refused is not None:
+            self.notes.append(refused)
+            return
+        cuda = CudaHistory(self.max_entries)
+        cuda.start()  # the device is picked at the first call: most likely CUDA
+        self._cuda = cuda
 
     def end(self, device: torch.device | None) -> None:
         """Stop recording at the end of tracking and write the snapshot where asked; never

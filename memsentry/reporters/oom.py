@@ -22,7 +22,42 @@ def _held(oom: OutOfMemory) -> str:
 def _asked(oom: OutOfMemory) -> str:
     if oom.requested_bytes is None:
         return ""
+    if oom.segment:
+        return f" asking the driver for a {format_bytes(oom.requested_bytes)} segment"
     return f" asking for {format_bytes(oom.requested_bytes)}"
+
+
+#: Below this share of the device, a limit is a memory fraction's cap rather than the
+#: device's memory read twice (the message rounds it to 0.01 GiB).
+_CAPPED = 0.99
+
+
+def _limit(oom: OutOfMemory) -> str:
+    """``the 40 GiB torch.cuda.set_per_process_memory_fraction allows of the device's
+    80 GiB``, or ``the device's 80 GiB``."""
+    limit, total = oom.limit or 0, oom.device_total
+    if total and limit < _CAPPED * total:
+        return (f"the {format_bytes(limit)} torch.cuda.set_per_process_memory_fraction "
+                f"allows of the device's {format_bytes(total)}")
+    return f"the device's {format_bytes(limit)}"
+
+
+def _ceiling(oom: OutOfMemory) -> str | None:
+    """Where the allocator's ceiling came from, where it is known (CUDA)."""
+    if oom.limit is None or oom.capacity is None:
+        return None
+    reserved, free = oom.reserved, oom.device_free
+    if reserved is None or free is None or oom.capacity >= oom.limit:
+        return f"  ceiling: {format_bytes(oom.capacity)}, {_limit(oom)}"
+    return (f"  ceiling: {format_bytes(oom.capacity)}, what the allocator could still get: "
+            f"the {format_bytes(reserved)} it reserved plus {format_bytes(free)} free on the "
+            f"device, below {_limit(oom)}; the rest was held outside PyTorch's allocator (the "
+            "CUDA context, other libraries, other processes)")
+
+
+_SEGMENT = ("  the size is the segment the caching allocator asked the driver for: 2 MiB for "
+            "a request up to 1 MiB, 20 MiB for one up to 10 MiB, larger ones rounded up to "
+            "2 MiB; the tensor itself asked for that much or less")
 
 
 def oom_note(oom: OutOfMemory) -> str:
@@ -50,9 +85,14 @@ def render_oom(oom: OutOfMemory, *, width: int = 100) -> str:
         f"Out of memory: {oom.error} in the {oom.where} (iteration {oom.iteration}"
         + (f", batch {oom.batch}" if oom.batch else "") + f"){_asked(oom)}", width)]
     lines.append(fill(f"  held then: {_held(oom)}", width, subsequent_indent="    "))
+    ceiling = _ceiling(oom)
+    if ceiling is not None:
+        lines.append(fill(ceiling, width, subsequent_indent="    "))
     if oom.device_free is not None:
-        lines.append(f"  the allocator's observer: {format_bytes(oom.device_free)} free on the "
-                     "device when it gave up")
+        lines.append(f"  the allocator: {format_bytes(oom.device_free)} free on the device "
+                     "when it gave up")
+    if oom.segment and oom.requested_bytes is not None:
+        lines.append(fill(_SEGMENT, width, subsequent_indent="    "))
     if oom.message:
         lines.append(fill(f"  error: {oom.message}", width, subsequent_indent="    "))
     if oom.largest:

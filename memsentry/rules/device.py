@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 
-from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, complete
+from memsentry.model import (
+    Finding,
+    IterationStats,
+    ReportData,
+    Severity,
+    Subject,
+    SubjectKind,
+    complete,
+)
+from memsentry.model.allocators import CudaAllocator, allocator_of
 from memsentry.rules.registry import rule
 from memsentry.rules.series import WARMUP
 from memsentry.units import format_bytes
@@ -39,46 +49,78 @@ def _number(value: object) -> int | None:
     return None
 
 
+def runs_native(report: ReportData) -> bool:
+    """Whether the run's memory came from torch's own caching allocator: every CUDA run but
+    those measured under ``backend:cudaMallocAsync`` or a pluggable allocator."""
+    return allocator_of(report.backend) in (None, CudaAllocator.NATIVE)
+
+
+def _fragmentation_fix(native: bool) -> str:
+    """``expandable_segments`` is a setting of the native allocator alone (the others never
+    read it)."""
+    if native:
+        return ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA "
+                "call; pad or bucket inputs to a few fixed shapes")
+    return ("pad or bucket inputs to a few fixed shapes (expandable_segments:True is a setting "
+            "of torch's native allocator and does nothing under this one)")
+
+
+def _slope(its: list[IterationStats], value: Callable[[IterationStats], float]) -> float:
+    """How fast ``value`` changes per iteration over ``its``."""
+    return statistics.linear_regression([float(it.index) for it in its],
+                                        [value(it) for it in its]).slope
+
+
+def _fragmentation_details(report: ReportData, reserved_rate: float | None,
+                           native: bool) -> str:
+    """The growth of reserved memory (``reserved_rate`` where it grows while the peak is
+    flat) and the bytes in inactive split blocks, as clauses of the finding's message."""
+    details = ""
+    if reserved_rate is not None:
+        details += (
+            f"; reserved grows {format_bytes(round(reserved_rate))}/iter while the peak stays "
+            "flat, the mark of variable input shapes"
+            + (" splitting cached blocks" if native else "")
+        )
+    split = _number((report.allocator_stats or {}).get("inactive_split_bytes.all.current"))
+    if split:
+        details += f"; {format_bytes(int(split))} sit in inactive split blocks"
+    return details
+
+
+def _fragmented(its: list[IterationStats]) -> tuple[int, int, float | None] | None:
+    """(reserved, highest peak, the rate at which reserved grows while the peak stays flat,
+    or ``None``) where reserved sits far above the peak or grows that way; ``None`` where
+    it does neither."""
+    peak = max(it.peak for it in its)
+    reserved = its[-1].reserved or 0
+    rate = _slope(its, lambda it: float(it.reserved or 0))
+    growing = rate >= FRAGMENT_RATE and _slope(its, lambda it: float(it.peak)) < 0.1 * rate
+    large = reserved - peak >= max(FRAGMENT_SHARE * reserved, FRAGMENT_BYTES)
+    if not (growing or large):
+        return None
+    return reserved, peak, rate if growing else None
+
+
 @rule(FRAGMENTATION, severities={Severity.WASTE}, devices={"cuda"})
 def allocator_fragmentation(report: ReportData) -> list[Finding]:
     """CUDA: reserved memory far above the highest peak, or growing while the peak is flat:
     freed blocks that the caching allocator cannot reuse for new sizes."""
     its = complete([it for it in report.iterations if it.reserved is not None], skip=WARMUP)
-    if not is_cuda(report) or len(its) < 4:
+    found = _fragmented(its) if is_cuda(report) and len(its) >= 4 else None
+    if found is None:
         return []
-    peak = max(it.peak for it in its)
-    reserved = its[-1].reserved or 0
-    unused = reserved - peak
-    reserved_rate = statistics.linear_regression(
-        [float(it.index) for it in its], [float(it.reserved or 0) for it in its]
-    ).slope
-    peak_rate = statistics.linear_regression(
-        [float(it.index) for it in its], [float(it.peak) for it in its]
-    ).slope
-    growing = reserved_rate >= FRAGMENT_RATE and peak_rate < 0.1 * reserved_rate
-    large = unused >= max(FRAGMENT_SHARE * reserved, FRAGMENT_BYTES)
-    if not (growing or large):
-        return []
-    stats = report.allocator_stats or {}
-    split = _number(stats.get("inactive_split_bytes.all.current"))
+    reserved, peak, rate = found
+    unused = max(reserved - peak, 0)
+    native = runs_native(report)
     message = (
         f"{format_bytes(reserved)} reserved on {report.device} against a highest peak of "
-        f"{format_bytes(peak)} after warm-up: {format_bytes(max(unused, 0))} the caching "
-        "allocator holds but cannot reuse"
+        f"{format_bytes(peak)} after warm-up: {format_bytes(unused)} the "
+        f"{'caching ' if native else ''}allocator holds but cannot reuse"
+        + _fragmentation_details(report, rate, native)
     )
-    if growing:
-        message += (
-            f"; reserved grows {format_bytes(round(reserved_rate))}/iter while the peak stays "
-            "flat, the mark of variable input shapes splitting cached blocks"
-        )
-    if split:
-        message += f"; {format_bytes(int(split))} sit in inactive split blocks"
-    fix = (
-        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first CUDA call; pad "
-        "or bucket inputs to a few fixed shapes"
-    )
-    return [Finding(rule=FRAGMENTATION, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=max(unused, 0), rate=reserved_rate if growing else None,
+    return [Finding(rule=FRAGMENTATION, severity=Severity.WASTE, message=message,
+                    fix=_fragmentation_fix(native), bytes=unused, rate=rate,
                     subject=device_subject(report))]
 
 
@@ -107,4 +149,5 @@ def non_pytorch_memory(report: ReportData) -> list[Finding]:
                     bytes=extra, subject=device_subject(report))]
 
 
-__all__ = ["allocator_fragmentation", "device_subject", "is_cuda", "non_pytorch_memory"]
+__all__ = ["allocator_fragmentation", "device_subject", "is_cuda", "non_pytorch_memory",
+           "runs_native"]

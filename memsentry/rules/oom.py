@@ -1,9 +1,10 @@
 """What would have made an out-of-memory run fit: the arithmetic behind ``report.oom.fixes``.
 
 Pure functions of a recorded report. The memory the run needed is what it held when the
-error came plus the allocation that failed; the device holds ``capacity``. Activations (and
-the failed allocation, inside a forward or backward) grow with the batch; parameters,
-gradients and optimizer state do not.
+error came plus the allocation that failed; it had ``capacity``: on CUDA the allocator's
+limit (a memory fraction's cap, else the device's memory), and no more than what it reserved
+plus what was free on the device. Activations (and the failed allocation, inside a forward
+or backward) grow with the batch; parameters, gradients and optimizer state do not.
 """
 
 from __future__ import annotations
@@ -51,15 +52,25 @@ def _activations(report: ReportData, oom: OutOfMemory) -> tuple[int, int | None]
     return best.parts.activations, best.batch
 
 
+def room(oom: OutOfMemory) -> str:
+    """The memory the run had, as the post-mortem names it: ``the device's 80 GiB``, or on
+    CUDA, where the allocator's limit is known, ``the 40 GiB the allocator could have``."""
+    if oom.limit is None:
+        return f"the device's {format_bytes(oom.capacity)}"
+    return f"the {format_bytes(oom.capacity)} the allocator could have"
+
+
 def _request_fix(oom: OutOfMemory) -> OomFix | None:
     """An allocation larger than the device, where the batch cannot explain it."""
     requested, capacity = oom.requested_bytes, oom.capacity
     if not requested or not capacity or requested <= capacity:
         return None
+    if oom.segment:
+        asked = f"the segment the allocator asked the driver for, {format_bytes(requested)}, is"
+    else:
+        asked = f"the allocation that failed asks for {format_bytes(requested)},"
     return OomFix(FixKind.REQUEST, (
-        f"the allocation that failed asks for {format_bytes(requested)}, more than the "
-        f"device's {format_bytes(capacity)} on its own; check the shape your code builds "
-        "there"))
+        f"{asked} more than {room(oom)} on its own; check the shape your code builds there"))
 
 
 def _earlier_batches(report: ReportData, batch: int) -> str:
@@ -97,7 +108,7 @@ def _batch_fix(report: ReportData, oom: OutOfMemory) -> OomFix | None:
         f"a batch of at most {fits} (now {batch}{_earlier_batches(report, batch)}) would have "
         f"fit: {format_bytes(fixed)} does not depend on the batch and each sample needs "
         f"{format_bytes(round(per_sample))} of activations and temporaries, in "
-        f"{format_bytes(capacity)}"), saves=saves, batch=fits)
+        f"{room(oom)}"), saves=saves, batch=fits)
 
 
 def fixes(report: ReportData, oom: OutOfMemory, largest: tuple[LayerBytes, ...]
@@ -139,4 +150,4 @@ def explain_oom(report: ReportData) -> OutOfMemory | None:
     return replace(oom, largest=largest, fixes=fixes(report, oom, largest))
 
 
-__all__ = ["explain_oom", "fixes", "largest_layers"]
+__all__ = ["explain_oom", "fixes", "largest_layers", "room"]
