@@ -156,10 +156,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("exact", "bool", False, help=(
         "Exact peaks. On the CPU every tensor storage is counted through a dispatch mode "
         "(true peaks inside ops, about 1.15x step time) instead of reading the process heap; "
-        "on CUDA the allocator's peak counter is reset at every hook, after which "
-        "torch.cuda.max_memory_allocated() reads from memsentry's last sample."),
+        "on CUDA the allocator's peak counters are reset at every hook (torch has one reset, "
+        "for every peak), after which torch.cuda.max_memory_allocated(), "
+        "max_memory_reserved() and every peak of memory_stats() read from memsentry's last "
+        "sample."),
         flag=Flag("--exact", "exact peaks (CPU: count every storage, ~1.15x slower; CUDA: "
-                  "resets the allocator's peak counter)")),
+                  "resets every peak counter of the allocator)")),
     Setting("saved_tensors", "bool", True, help=(
         "Attribute the bytes saved for backward to layers (a saved-tensors hook). Turn it "
         "off for code that refuses saved-tensor hooks, such as some torch.compile graphs.")),

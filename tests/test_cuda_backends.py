@@ -52,6 +52,9 @@ class FakeAsyncAllocator(FakeCachingAllocator):
         self.history_calls = 0
         self.attach_calls = 0
 
+    def current(self) -> dict[str, int]:
+        return {"allocated_bytes": self.allocated, "reserved_bytes": self.reserved}
+
     def malloc(self, size: int) -> int:
         self.initialized = True
         limit = self.UNSET if self.limit is None else self.limit
@@ -59,12 +62,12 @@ class FakeAsyncAllocator(FakeCachingAllocator):
         if self.allocated + size > limit or grow > self.device_free:
             self.out_of_memory(size)
         self.reserved += grow
-        self.allocated += size
-        self.peak = max(self.peak, self.allocated)
+        self.taken(size)
         return size
 
     def free(self, size: int) -> None:
         self.allocated -= size
+        self.blocks -= 1
 
     def out_of_memory(self, size: int) -> None:
         limit = self.UNSET if self.limit is None else self.limit

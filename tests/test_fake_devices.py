@@ -23,18 +23,22 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 class FakeAllocator:
-    """The counters of one device's caching allocator, as ``memory_stats()`` reports them."""
+    """The counters of one device's caching allocator, as ``memory_stats()`` reports them.
+    ``reset_peak_memory_stats`` resets both peaks, allocated and reserved
+    (torch/accelerator/memory.py: it resets "the 'peak' stats tracked by the current
+    accelerator memory allocator")."""
 
     def __init__(self) -> None:
         self.allocated = 4 * MiB
         self.peak = self.allocated
-        self.reserved = 8 * MiB
+        self.reserved = self.reserved_peak = 8 * MiB
         self.resets = 0
 
     def allocate(self, size: int) -> None:
         self.allocated += size
         self.peak = max(self.peak, self.allocated)
         self.reserved = max(self.reserved, -(-self.allocated // (2 * MiB)) * 2 * MiB)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
 
     def free(self, size: int) -> None:
         self.allocated -= size
@@ -43,10 +47,11 @@ class FakeAllocator:
         def memory_stats(index: int | None = None) -> dict[str, int]:
             return {"allocated_bytes.all.current": self.allocated,
                     "allocated_bytes.all.peak": self.peak,
-                    "reserved_bytes.all.current": self.reserved}
+                    "reserved_bytes.all.current": self.reserved,
+                    "reserved_bytes.all.peak": self.reserved_peak}
 
         def reset_peak_memory_stats(index: int | None = None) -> None:
-            self.peak = self.allocated
+            self.peak, self.reserved_peak = self.allocated, self.reserved
             self.resets += 1
 
         return {
@@ -96,6 +101,8 @@ def test_exact_mode_resets_the_accelerator_peak_counter(xpu: FakeAllocator) -> N
     assert backend.sample() == (4 * MiB, 4 * MiB)
     assert xpu.resets == 2 and backend.peak_mode == "exact"
     assert "reset at every hook" in backend.notes[0]
+    assert ("torch.accelerator.max_memory_allocated(), max_memory_reserved() and every '.peak' "
+            "of memory_stats() now read from memsentry's last sample") in backend.notes[0]
 
 
 def test_track_on_the_accelerator_follows_its_counters(xpu: FakeAllocator) -> None:
@@ -147,7 +154,12 @@ class FakeCachingAllocator:
       allocate <alloc_size>. GPU 0 has a total capacity of <total> of which <free> is free.
       [<limit> allowed; ]Of the allocated memory ...". (torch first frees its unused cached
       segments and retries; the fake does not, which leaves reserved plus free unchanged);
-    - the peak counter only resets when asked (``resetPeakStats``);
+    - a peak per statistic: bytes allocated, reserved and active (active is allocated here:
+      no block waits on another stream) and the count of live allocations; nothing resets
+      them but ``resetPeakStats``, which resets every one of them to its current value
+      (``DeviceCachingAllocator::resetPeakStats`` calls ``reset_peak_stat`` on the
+      allocation, segment, active, inactive_split and every bytes stat of each pool, and on
+      the oversize ones): torch has no reset of one peak alone;
     - until CUDA is initialised (``initialized``, set by the first allocation or by hand),
       the raw statistics call refuses the device index, as torch's does;
     - ``torch.cuda.get_allocator_backend()`` says ``native`` (torch/csrc/cuda/Module.cpp
@@ -160,13 +172,30 @@ class FakeCachingAllocator:
         self.initialized = initialized
         self.limit: int | None = None  # set_per_process_memory_fraction's cap
         self.others = 0  # what other processes hold on the device
-        self.allocated = self.reserved = self.peak = 0
+        self.allocated = self.reserved = self.blocks = 0
+        self.peaks = dict.fromkeys(self.current(), 0)
         self.cached = {"small": 0, "large": 0}
         self.resets = 0
         self.observers: list[Callable[[int, int, int, int], None]] = []
 
     def set_fraction(self, fraction: float) -> None:
         self.limit = int(fraction * self.total)
+
+    def current(self) -> dict[str, int]:
+        """Each statistic's current value, by its name in ``memory_stats()``."""
+        return {"allocated_bytes": self.allocated, "reserved_bytes": self.reserved,
+                "active_bytes": self.allocated, "allocation": self.blocks}
+
+    @property
+    def peak(self) -> int:
+        return self.peaks["allocated_bytes"]
+
+    def taken(self, size: int) -> None:
+        """A block of ``size`` bytes handed out: the statistics and their peaks follow."""
+        self.allocated += size
+        self.blocks += 1
+        for name, value in self.current().items():
+            self.peaks[name] = max(self.peaks[name], value)
 
     @property
     def device_free(self) -> int:
@@ -184,8 +213,7 @@ class FakeCachingAllocator:
             self.reserved += segment
             self.cached[pool] += segment
         self.cached[pool] -= size
-        self.allocated += size
-        self.peak = max(self.peak, self.allocated)
+        self.taken(size)
         return size
 
     def fits(self, segment: int) -> bool:
@@ -208,25 +236,28 @@ class FakeCachingAllocator:
 
     def free(self, size: int) -> None:
         self.allocated -= size
+        self.blocks -= 1
         self.cached["small" if size <= MiB else "large"] += size
 
     def nested(self, index: int) -> dict[str, dict[str, dict[str, int]]]:
         if not self.initialized:
             raise RuntimeError("Invalid device argument")
-        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
-                "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved}}}
+        return {name: {"all": {"current": value, "peak": self.peaks[name]}}
+                for name, value in self.current().items()}
 
     def flat(self, index: int | None = None) -> dict[str, int]:
         """``torch.cuda.memory_stats()`` (torch/cuda/memory.py: ``{}`` before CUDA is
         initialised)."""
         if not self.initialized:
             return {}
-        return {"allocated_bytes.all.current": self.allocated,
-                "allocated_bytes.all.peak": self.peak,
-                "reserved_bytes.all.current": self.reserved}
+        flat = {}
+        for name, value in self.current().items():
+            flat[f"{name}.all.current"] = value
+            flat[f"{name}.all.peak"] = self.peaks[name]
+        return flat
 
     def reset_peak(self, index: int | None = None) -> None:
-        self.peak = self.allocated
+        self.peaks = self.current()
         self.resets += 1
 
     def attach_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
@@ -288,6 +319,8 @@ def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCachingAllocator) -> None
             "allocated_bytes.all.peak", 0),
         "memory_reserved": lambda index=None: fake.flat(index).get(
             "reserved_bytes.all.current", 0),
+        "max_memory_reserved": lambda index=None: fake.flat(index).get(
+            "reserved_bytes.all.peak", 0),
         "reset_peak_memory_stats": fake.reset_peak,
         "get_device_properties": lambda index=None: types.SimpleNamespace(
             total_memory=fake.total, name="Fake GPU"),
@@ -350,6 +383,45 @@ def test_cuda_exact_mode_resets_the_peak_counter_at_every_read(
     assert backend.sample() == (0, MiB)
     assert backend.sample() == (0, 0)
     assert cuda.resets == 2 and backend.peak_mode == "exact"
+
+
+def test_exact_mode_says_that_every_peak_the_program_reads_was_reset(
+        cuda: FakeCachingAllocator) -> None:
+    """The program warmed up with four 3 MiB blocks, then reads its own peaks after an
+    exact-mode run: torch's one reset took every peak back, the count of allocations and
+    the active bytes too, not only max_memory_allocated(); the note says so."""
+    for block in [cuda.malloc(3 * MiB) for _ in range(4)]:
+        cuda.free(block)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memsentry.track(model, device="cuda", exact=True, on_leak="ignore",
+                         holders=False) as t:
+        for _ in range(3):
+            model(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            cuda.free(cuda.malloc(MiB))
+    stats = torch.cuda.memory_stats()
+    assert torch.cuda.max_memory_allocated() < 12 * MiB
+    assert stats["allocation.all.peak"] < 4 and stats["active_bytes.all.peak"] < 12 * MiB
+    shown = " ".join(" ".join(t.report().notes).split())
+    assert ("torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() and every "
+            "'.peak' of torch.cuda.memory_stats() now read from memsentry's last sample, not "
+            "from the start of your run; track without exact=True to keep them") in shown
+
+
+def test_tracking_without_exact_leaves_every_peak_of_the_program_alone(
+        cuda: FakeCachingAllocator) -> None:
+    for block in [cuda.malloc(3 * MiB) for _ in range(4)]:
+        cuda.free(block)
+    model = make_mlp()
+    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+        for _ in range(3):
+            model(torch.randn(8, 16)).sum().backward()
+    stats = torch.cuda.memory_stats()
+    assert (stats["allocation.all.peak"], torch.cuda.max_memory_allocated()) == (4, 12 * MiB)
+    assert cuda.resets == 0
+    assert "no peak statistic was reset" in " ".join(" ".join(t.report().notes).split())
 
 
 def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None:

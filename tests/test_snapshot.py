@@ -273,11 +273,17 @@ def test_tracker_snapshot_needs_a_tracker_that_records(tmp_path: Path) -> None:
 
 
 class FakeHistory:
-    """``torch.cuda.memory._record_memory_history`` and ``_snapshot``, recording their calls."""
+    """``torch.cuda.memory._record_memory_history``, ``_snapshot`` and
+    ``torch._C._cuda_isHistoryEnabled``, recording their calls, with the state the caching
+    allocator keeps (c10/cuda/CUDACachingAllocator.cpp, ``recordHistory``): the settings of
+    the last call that switched recording on (``settings``; torch has no getter for them),
+    the ``record_history`` flag that ``isHistoryEnabled`` returns, and a trace that switching
+    recording off empties."""
 
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.fail = fail
+        self.settings: dict[str, Any] | None = None  # while recording
         self.snapshot = {
             "segments": [{"device": 0, "address": 1 << 32, "total_size": 2 << 20,
                           "stream": 0, "segment_type": "large", "allocated_size": 512,
@@ -296,6 +302,14 @@ class FakeHistory:
 
     def record(self, enabled: str | None = "all", **kwargs: Any) -> None:
         self.calls.append(("record", {"enabled": enabled, **kwargs}))
+        if enabled is None:
+            self.settings = None
+            self.snapshot = {**self.snapshot, "device_traces": [[]]}
+        else:
+            self.settings = {"enabled": enabled, **kwargs}
+
+    def is_enabled(self) -> bool:
+        return self.settings is not None
 
     def take(self) -> dict[str, Any]:
         self.calls.append(("snapshot", {}))
@@ -315,6 +329,7 @@ def fake_history(monkeypatch: pytest.MonkeyPatch) -> FakeHistory:
     fake = FakeHistory()
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.take)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", fake.is_enabled, raising=False)
     return fake
 
 
@@ -332,12 +347,13 @@ def test_on_cuda_the_allocators_history_is_switched_on_taken_and_off(
     assert fake_history.calls == [("record", {"enabled": "all", "max_entries": 5000,
                                               "stacks": "python"})]
     assert recording.data() == fake_history.snapshot  # while tracking: taken now
+    recorded = copy.deepcopy(fake_history.snapshot)
     recording.end(torch.device("cuda", 0))
     assert fake_history.calls[1:] == [("snapshot", {}), ("snapshot", {}),
                                       ("record", {"enabled": None})]
-    assert recording.notes == []
+    assert recording.notes == [] and not fake_history.is_enabled()
     data = load(path)
-    assert data == fake_history.snapshot
+    assert data == recorded
     torch_reads(data)
     recording.end(torch.device("cuda", 0))  # once
     assert len(fake_history.calls) == 4
@@ -354,6 +370,48 @@ def test_on_cuda_a_failed_snapshot_still_switches_recording_off(
     assert recording.notes == ["No memory_viz snapshot: taking it failed (the allocator "
                                "refused)."]
     assert not path.exists() and recording.data() is None
+
+
+def test_on_cuda_the_programs_own_recording_is_used_and_left_as_it_was(
+        tmp_path: Path, fake_history: FakeHistory) -> None:
+    """The program records CUDA's history itself, with C++ stacks and 100 entries: tracking
+    with a snapshot takes the snapshot from that recording and leaves it on, with the
+    program's settings and what it recorded before tracking."""
+    torch.cuda.memory._record_memory_history(stacks="all", max_entries=100)
+    theirs = copy.deepcopy(fake_history.settings)
+    path = tmp_path / "cuda.pickle"
+    recording = SnapshotRecording(options(snapshot=path, snapshot_entries=5000))
+    recording.start(cuda_recorder())
+    recording.end(torch.device("cuda", 0))
+    assert fake_history.is_enabled() and fake_history.settings == theirs
+    assert [call for call, _ in fake_history.calls] == ["record", "snapshot"]
+    assert load(path) == fake_history.snapshot  # their entries, kept
+    assert recording.notes == [
+        "Your program was already recording CUDA's allocation history "
+        "(torch.cuda.memory._record_memory_history): the memory_viz snapshot was taken from "
+        "that recording, which memsentry left as it was (still on, with your stacks and "
+        "max_entries rather than snapshot_entries), so it also holds what was recorded before "
+        "tracking began."]
+
+
+def test_on_cuda_a_torch_that_cannot_say_whether_the_program_records_gets_no_snapshot(
+        tmp_path: Path, fake_history: FakeHistory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch._C._cuda_isHistoryEnabled memsentry cannot tell whether switching its
+    recording on and off would end the program's: it records nothing and says what to do."""
+    monkeypatch.delattr(torch._C, "_cuda_isHistoryEnabled")
+    torch.cuda.memory._record_memory_history(stacks="all", max_entries=100)
+    path = tmp_path / "cuda.pickle"
+    recording = SnapshotRecording(options(snapshot=path))
+    recording.start(cuda_recorder())
+    recording.end(torch.device("cuda", 0))
+    assert [call for call, _ in fake_history.calls] == ["record"]  # the program's own
+    assert fake_history.settings == {"enabled": "all", "stacks": "all", "max_entries": 100}
+    assert not path.exists() and recording.data() is None
+    (note,) = recording.notes
+    assert note.startswith("No memory_viz snapshot: this torch cannot say whether your "
+                           "program records CUDA's allocation history")
+    assert note.endswith("Record it yourself with torch.cuda.memory._record_memory_history() "
+                         "and take torch.cuda.memory._snapshot() when tracking ends.")
 
 
 @pytest.mark.cuda

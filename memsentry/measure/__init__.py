@@ -19,6 +19,7 @@ from memsentry.measure.devices import (
     parse_device,
     supported_device_types,
 )
+from memsentry.measure.mps import MpsBackend
 from memsentry.measure.nvml import NvmlInfo
 from memsentry.measure.nvml import query as nvml_query
 from memsentry.measure.processes import resident_peak
@@ -30,6 +31,7 @@ __all__ = [
     "CudaBackend",
     "MallinfoBackend",
     "MemoryBackend",
+    "MpsBackend",
     "NvmlInfo",
     "StorageBackend",
     "StorageCounter",
@@ -43,15 +45,25 @@ __all__ = [
 ]
 
 def make_backend(device: torch.device, *, exact: bool = False) -> MemoryBackend:
-    """The backend measuring ``device``: CUDA's allocator, another accelerator's statistics,
-    glibc counters, or storage counting (``exact``, or where glibc has no ``mallinfo2``).
+    """The backend measuring ``device``: CUDA's allocator, another accelerator's statistics
+    (on MPS, ``torch.mps``'s counters where torch refuses those), glibc counters, or storage
+    counting (``exact``, or where glibc has no ``mallinfo2``).
     However slow ``mallinfo2()`` is on a fragmented heap, the recorder keeps its cost within
     its budget (:mod:`memsentry.record.coverage`)."""
     check_supported(device, f"device {str(device)!r}")
     if device.type == "cuda":
         return CudaBackend(device, exact=exact)
     if device.type != "cpu":
-        return AcceleratorBackend(device, exact=exact)
+        return _accelerator_backend(device, exact=exact)
     if exact or MALLINFO2_UNAVAILABLE is not None:
         return StorageBackend()
     return MallinfoBackend()
+
+
+def _accelerator_backend(device: torch.device, *, exact: bool) -> MemoryBackend:
+    """``torch.accelerator``'s statistics; on MPS, where torch refused them when tracking
+    began, ``torch.mps``'s own counters instead."""
+    backend = AcceleratorBackend(device, exact=exact)
+    if backend.refusal is None or device.type != "mps":
+        return backend
+    return MpsBackend(device, backend.refusal, exact=exact)

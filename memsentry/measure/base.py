@@ -72,3 +72,22 @@ class IntervalPeak:
             self._last = peak
             return peak
         return None
+
+
+#: What ``TORCH_INTERNAL_ASSERT`` puts before its message (c10/util/Exception.h: ``<cond>
+#: INTERNAL ASSERT FAILED at "<file>":<line>, please report a bug to PyTorch. <message>``).
+_ASSERT_PREFIX = "please report a bug to PyTorch. "
+
+
+def first_sentence(error: BaseException) -> str:
+    """The first sentence of torch's message (``CUDAPluggableAllocator does not yet support
+    getDeviceStats``), without the issue-filing request or a C++ stack that may follow; of
+    a failed internal assert, its own message (``Allocator for mps is not a
+    DeviceAllocator``) rather than the file and line it failed at."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[0]
+    if _ASSERT_PREFIX in line:
+        line = line.split(_ASSERT_PREFIX, 1)[1]
+    return line.split(". ")[0].rstrip(".") or type(error).__name__

@@ -4,11 +4,17 @@ Reading ``torch.cuda.memory_allocated()`` builds and flattens the whole statisti
 Python; the hook hot path reads the nested dict from ``torch._C._cuda_memoryStats`` once per
 sample instead, and falls back to the public functions where that binding is missing.
 
-Peaks: by default the backend never resets the allocator's peak counter, so what users
-read from ``torch.cuda.max_memory_allocated()`` stays theirs. It reports a peak for an
-interval only when the counter rose during it (a new high: exact); otherwise the tracker's
-samples give a lower bound. ``exact=True`` resets the counter at every sample to get every
-interval's true peak, and then ``torch.cuda.max_memory_allocated()`` only reflects the time
+Peaks: by default the backend never resets the allocator's peak counters, so what users
+read from ``torch.cuda.max_memory_allocated()`` and the other peaks stays theirs. It reports
+a peak for an interval only when the counter rose during it (a new high: exact); otherwise
+the tracker's samples give a lower bound. ``exact=True`` resets the counters at every sample
+to get every interval's true peak. torch has one reset, and it resets every peak: in
+c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::resetPeakStats`` calls
+``reset_peak_stat`` on the allocation, segment, active, inactive_split, allocated_bytes,
+reserved_bytes, active_bytes, inactive_split_bytes and requested_bytes stats of every pool,
+and on oversize_allocations and oversize_segments. Exact mode cannot spare the peaks it does
+not read, so its note names them all: after it, ``max_memory_allocated()``,
+``max_memory_reserved()`` and every ``.peak`` of ``memory_stats()`` reflect only the time
 since memsentry's last sample.
 
 Allocators (:mod:`memsentry.measure.allocators`): under ``backend:cudaMallocAsync`` the same
@@ -29,7 +35,7 @@ from memsentry.measure.allocators import (
     support,
     unmeasured_note,
 )
-from memsentry.measure.base import IntervalPeak
+from memsentry.measure.base import IntervalPeak, first_sentence
 from memsentry.model import Measured, PeakMode, PinnedMemory
 from memsentry.model.allocators import CudaAllocator
 
@@ -222,18 +228,15 @@ class CudaBackend:
         return None
 
 
-def first_sentence(error: BaseException) -> str:
-    """The first sentence of torch's message (``CUDAPluggableAllocator does not yet support
-    getDeviceStats``), without the issue-filing request or a C++ stack that may follow."""
-    text = str(error).strip()
-    if not text:
-        return type(error).__name__
-    return text.splitlines()[0].split(". ")[0]
-
-
 def _peak_notes(exact: bool) -> tuple[str, ...]:
     if exact:
-        return ("CUDA peaks are exact: memsentry reset the allocator's peak counter at every "
-                "hook, so torch.cuda.max_memory_allocated() now reads from its last sample.",)
+        return ("CUDA peaks are exact: memsentry reset the allocator's peak counters at every "
+                "hook. torch.cuda.reset_peak_memory_stats() resets every peak the allocator "
+                "keeps (bytes allocated, reserved, active and requested, and their counts), so "
+                "torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() and every "
+                "'.peak' of torch.cuda.memory_stats() now read from memsentry's last sample, "
+                "not from the start of your run; track without exact=True to keep them.",)
     return ("CUDA peaks use the allocator's peak counter when it rose, else samples taken at "
-            "hooks (lower bounds); torch.cuda.max_memory_allocated() is left untouched.",)
+            "hooks (lower bounds); no peak statistic was reset: "
+            "torch.cuda.max_memory_allocated(), max_memory_reserved() and memory_stats() are "
+            "as your program left them.",)

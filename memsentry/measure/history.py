@@ -3,8 +3,8 @@ and the offline functions of ``torch.cuda._memory_viz``), for ``track(snapshot=.
 
 A snapshot is a dict ``{"segments": [...], "device_traces": [[entry, ...]]}`` (see the
 ``torch.cuda.memory._snapshot`` docstring). On CUDA the caching allocator records it itself:
-:class:`CudaHistory` switches its recording on and takes the snapshot. On CPU there is no
-such allocator; :class:`History` is what the storage-counting mode
+:class:`CudaHistory` switches its recording on (or uses the program's own) and takes the
+snapshot. On CPU there is no such allocator; :class:`History` is what the storage-counting mode
 (:class:`~memsentry.measure.storage.StorageCounter`) records when it is given one: the user's
 Python stack for each new storage, and the same address and size when it is freed. Each CPU
 storage is its own ``malloc``, so it is shown as a segment holding one block, with the events
@@ -153,19 +153,45 @@ def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:
             "blocks": [block]}
 
 
+def recording_now() -> bool | None:
+    """Whether CUDA's caching allocator records an allocation history now (switched on by
+    the program itself, before tracking), or ``None`` where this torch cannot say."""
+    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if not callable(query):
+        return None
+    try:
+        return bool(query())
+    except Exception:  # a torch that refuses: as good as not knowing
+        return None
+
+
 class CudaHistory:
     """The CUDA caching allocator's own history: :meth:`start` switches recording on
     (``torch.cuda.memory._record_memory_history``, Python stacks, at most ``max_entries``
     entries), :meth:`stop` takes the snapshot (``torch.cuda.memory._snapshot``) and switches
-    recording off (for the whole process: a history the program recorded itself stops too).
-    Tested against a fake of those two functions; not yet run on a GPU."""
+    recording off.
 
-    def __init__(self, max_entries: int) -> None:
+    ``borrowed``: the program was recording already, and memsentry leaves its recording as
+    it was. torch says whether a recording is on (``torch._C._cuda_isHistoryEnabled``, the
+    caching allocator's ``record_history`` flag, which torch/_inductor/cudagraph_trees.py
+    consults the same way before it records) but not with which settings: ``recordHistory``
+    keeps its context, stacks, ``max_entries`` and skipped actions with no getter, and a
+    snapshot's ``allocator_settings`` are PYTORCH_CUDA_ALLOC_CONF's, not the history's. And
+    switching recording off empties the trace (c10/cuda/CUDACachingAllocator.cpp clears it
+    when ``enabled`` is false). So a recording memsentry replaced could not be restored:
+    memsentry never replaces one. A borrowed history is neither switched on nor off; its
+    snapshot is the program's recording, with its settings and what it held before tracking.
+    Tested against a fake of those functions; not yet run on a GPU."""
+
+    def __init__(self, max_entries: int, *, borrowed: bool = False) -> None:
         self.max_entries = max_entries
+        self.borrowed = borrowed
         self.recording = False
 
     def start(self) -> None:
-        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
+        if not self.borrowed:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries,
+                                                     stacks="python")
         self.recording = True
 
     def snapshot(self) -> Snapshot:
@@ -173,9 +199,11 @@ class CudaHistory:
         return dict(torch.cuda.memory._snapshot())
 
     def stop(self) -> Snapshot:
-        """The snapshot at the end; recording is switched off even when taking it fails."""
+        """The snapshot at the end; memsentry's own recording is switched off even when
+        taking it fails (a borrowed one goes on)."""
         try:
             return self.snapshot()
         finally:
             self.recording = False
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if not self.borrowed:
+                torch.cuda.memory._record_memory_history(enabled=None)

@@ -16,6 +16,13 @@ The messages, as torch writes them (sizes by c10's ``format_size``: ``512 bytes`
   allocated :``, ``Requested :`` (the tensor's size), ``Device limit :``, ``Free (according
   to CUDA):`` and ``PyTorch limit (set by user-supplied memory fraction)`` (``UINT64_MAX``,
   printed as about 17 billion GiB, when no fraction was set);
+- MPS's allocator (aten/src/ATen/mps/MPSAllocator.mm, ``alloc_buffer_block``): ``MPS backend
+  out of memory (MPS allocated: <size>, other allocations: <size>[, max allowed: <size>]).
+  Tried to allocate <size> on private pool. ...``. Its sizes come from the allocator's own
+  ``format_size`` in the releases that print ``KB``, ``MB`` and ``GB``: it divides by
+  1024.0, 1048576.0 and 1073741824.0 and prints two decimals, so there ``256.00 MB`` is
+  256 MiB and a ``GB`` is a GiB (later releases call c10's ``format_size`` and print
+  ``MiB`` and ``GiB``);
 - other accelerators: ``... Tried to allocate <size>``.
 """
 
@@ -40,6 +47,9 @@ _ASYNC_LINES = {
     "limit": re.compile(r"PyTorch limit \(set by user-supplied memory fraction\)\s*: " + _SIZE),
 }
 _OTHER = re.compile(r"Tried to allocate " + _SIZE)
+_MPS = "MPS backend out of memory"
+#: MPS's decimal-looking units, which its ``format_size`` computes in powers of 1024.
+_BINARY = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB"}
 
 
 @dataclass(frozen=True)
@@ -55,18 +65,21 @@ class OomText:
     limit: int | None = None
 
 
-def _size(number: str, unit: str) -> int | None:
+def _size(number: str, unit: str, *, binary: bool = False) -> int | None:
+    if binary:
+        unit = _BINARY.get(unit, unit)
     try:
         return parse_size(f"{number} {'B' if unit == 'bytes' else unit}")
     except ValueError:
         return None
 
 
-def _found(pattern: re.Pattern[str], message: str, group: int = 0) -> int | None:
+def _found(pattern: re.Pattern[str], message: str, group: int = 0, *,
+           binary: bool = False) -> int | None:
     match = pattern.search(message)
     if match is None:
         return None
-    return _size(match.group(2 * group + 1), match.group(2 * group + 2))
+    return _size(match.group(2 * group + 1), match.group(2 * group + 2), binary=binary)
 
 
 def _native(message: str) -> OomText:
@@ -91,7 +104,7 @@ def read_message(message: str) -> OomText:
         return _native(message)
     if _ASYNC in message:
         return _async(message)
-    return OomText(requested=_found(_OTHER, message))
+    return OomText(requested=_found(_OTHER, message, binary=_MPS in message))
 
 
 __all__ = ["OomText", "read_message"]

@@ -1,7 +1,8 @@
 """``track(snapshot=...)``: the allocation history of one tracking run, as the snapshot file
 PyTorch's memory_viz opens (https://pytorch.org/memory_viz, ``torch.cuda._memory_viz``).
 
-On CUDA the caching allocator records it (:class:`~memsentry.measure.history.CudaHistory`);
+On CUDA the caching allocator records it (:class:`~memsentry.measure.history.CudaHistory`:
+memsentry's own recording, or the program's where it records already, left as it was);
 on CPU the storage-counting backend does (:class:`~memsentry.measure.history.History`), which
 is why ``snapshot`` turns ``exact`` on where the device is the CPU. At the end the snapshot is
 frozen (plain dicts of ints and strings) and, when a path was given, written; a failure to
@@ -20,7 +21,7 @@ from torch import nn
 
 from memsentry.measure import StorageBackend, device_of_module
 from memsentry.measure.allocators import history_refused
-from memsentry.measure.history import CudaHistory, History, Snapshot
+from memsentry.measure.history import CudaHistory, History, Snapshot, recording_now
 from memsentry.paths import replace_bytes
 from memsentry.record.options import Options
 
@@ -32,6 +33,18 @@ PICKLE_PROTOCOL = 4
 
 EXACT_NOTE = ("track(snapshot=...) turned on exact storage counting (cpu-storages): the CPU "
               "memory_viz snapshot comes from the dispatch mode that sees every storage made.")
+
+BORROWED_HISTORY_NOTE = (
+    "Your program was already recording CUDA's allocation history "
+    "(torch.cuda.memory._record_memory_history): the memory_viz snapshot was taken from that "
+    "recording, which memsentry left as it was (still on, with your stacks and max_entries "
+    "rather than snapshot_entries), so it also holds what was recorded before tracking began.")
+UNKNOWN_HISTORY_NOTE = (
+    "No memory_viz snapshot: this torch cannot say whether your program records CUDA's "
+    "allocation history (torch._C._cuda_isHistoryEnabled is missing), and memsentry switching "
+    "its own on and off would end yours and replace its settings. Record it yourself with "
+    "torch.cuda.memory._record_memory_history() and take torch.cuda.memory._snapshot() when "
+    "tracking ends.")
 
 
 def with_snapshot_options(options: Options, model: nn.Module | None) -> Options:
@@ -105,14 +118,21 @@ class SnapshotRecording:
             self.notes.append(f"No memory_viz snapshot: recording could not start ({error}).")
 
     def _start_cuda(self) -> None:
-        """Switch the CUDA allocator's history on, where its allocator keeps one."""
+        """Switch the CUDA allocator's history on, where its allocator keeps one; use the
+        program's own recording where it has one (:class:`CudaHistory`)."""
         refused = history_refused()
         if refused is not None:
             self.notes.append(refused)
             return
-        cuda = CudaHistory(self.max_entries)
+        recording = recording_now()
+        if recording is None:
+            self.notes.append(UNKNOWN_HISTORY_NOTE)
+            return
+        cuda = CudaHistory(self.max_entries, borrowed=recording)
         cuda.start()  # the device is picked at the first call: most likely CUDA
         self._cuda = cuda
+        if recording:
+            self.notes.append(BORROWED_HISTORY_NOTE)
 
     def end(self, device: torch.device | None) -> None:
         """Stop recording at the end of tracking and write the snapshot where asked; never
