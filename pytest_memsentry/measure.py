@@ -40,6 +40,8 @@ import pytest
 import torch
 
 from memsentry.census import Root, find_holders
+from memsentry.measure.allocators import support
+from memsentry.measure.peaks import CUDA_PEAKS, Account, allocated_peak
 from memsentry.measure.storage import StorageCounter
 from memsentry.model import HeldTensor, HolderKind, Location, Scope, ScopeKind, Step, StepKind
 from memsentry.units import format_bytes
@@ -79,10 +81,17 @@ class CudaApi(Protocol):
 
 
 class TorchCuda:
-    """``torch.cuda``: never initialises CUDA, nor a device's context."""
+    """``torch.cuda``: never initialises CUDA, nor a device's context. The peak is reset
+    before each test through :data:`memsentry.measure.peaks.CUDA_PEAKS`, so the peaks the
+    tests themselves read (``torch.cuda.max_memory_allocated()``, their own resets) are as
+    without the plugin. A pluggable allocator, whose statistics torch refuses, is not
+    measured."""
+
+    def __init__(self) -> None:
+        self._accounts: dict[int, Account] = {}
 
     def ready(self) -> bool:
-        return torch.cuda.is_initialized()
+        return torch.cuda.is_initialized() and support().counters
 
     def devices(self) -> list[int]:
         """Devices with a CUDA context (querying another would create one, ~300 MiB)."""
@@ -99,10 +108,17 @@ class TorchCuda:
         return total - free
 
     def peak(self, device: int) -> int:
-        return torch.cuda.max_memory_allocated(device)
+        """The highest allocated since :meth:`reset_peak`, whoever reset the counter since."""
+        reader = CUDA_PEAKS.reader()
+        peak = allocated_peak(reader(device)) if reader is not None else 0
+        account = self._accounts.get(device)
+        return max(peak, account.hidden) if account is not None else peak
 
     def reset_peak(self, device: int) -> None:
-        torch.cuda.reset_peak_memory_stats(device)
+        account = self._accounts.get(device)
+        if account is None:
+            account = self._accounts[device] = CUDA_PEAKS.join(device)
+        CUDA_PEAKS.restart(device, account)
 
     def settle(self, devices: list[int]) -> None:
         """Finish pending work, drop cuBLAS workspaces (not the test's memory) and return the

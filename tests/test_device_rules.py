@@ -11,7 +11,7 @@ import torch
 from conftest import make_mlp
 
 import memsentry
-from memsentry.model import Breakdown
+from memsentry.model import Breakdown, PeakMode
 from memsentry.rules import analyse
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -32,16 +32,19 @@ def recorded() -> memsentry.Report:
 def _as_cuda(report: memsentry.Report, *, total: int, resident: int, peak: int,
              reserved: list[int] | None = None, **fields) -> memsentry.Report:
     """The report's iterations rescaled to a CUDA run: ``resident`` at each boundary, ``peak``
-    inside, ``reserved`` per iteration."""
+    inside, ``reserved`` per iteration; each peak exact, as the allocator's counter reset
+    where each iteration begins gives it."""
     # At the peak, what is not resident is activations (the breakdown a GPU run records).
     parts = Breakdown.of(peak, parameters=resident // 2, gradients=0, optimizer_state=0,
                          activations=peak - resident)
     its = tuple(
         replace(it, allocated=resident, peak=peak,
-                reserved=reserved[i] if reserved else peak + 64 * MiB, batch=64, parts=parts)
+                reserved=reserved[i] if reserved else peak + 64 * MiB, batch=64, parts=parts,
+                peak_exact=True)
         for i, it in enumerate(report.iterations)
     )
     return replace(report, device="cuda:0", backend="cuda", total_memory=total,
+                   peak_mode=PeakMode.ITERATIONS,
                    iterations=its, censuses=(), unused_graphs=(), **fields)
 
 

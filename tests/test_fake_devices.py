@@ -1,25 +1,20 @@
 """The device backends without the device: the CUDA backend against a fake of the caching
 allocator (512-byte block rounding, 2 MiB and 20 MiB segments kept after frees, a peak
-counter that only resets when asked), and the device-generic ``torch.accelerator`` backend
-against a fake accelerator."""
+counter that only resets when asked: tests/fake_cuda.py), and the device-generic
+``torch.accelerator`` backend against a fake accelerator (here: it fakes no CUDA)."""
 
 from __future__ import annotations
-
-import types
-from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import make_mlp
+from fake_cuda import FakeCachingAllocator, KiB, MiB, install
 from torch import nn
 
 import memsentry
 from memsentry.measure import AcceleratorBackend, CudaBackend, make_backend, parse_device
 from memsentry.measure.accelerator import accelerator_type
-from memsentry.measure.cuda import OOM_OBSERVER
 from memsentry.measure.devices import supported_device_types
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 class FakeAllocator:
@@ -125,220 +120,9 @@ def test_track_on_the_accelerator_follows_its_counters(xpu: FakeAllocator) -> No
     assert report.total_memory == 64 * 1024 * MiB
 
 
-def format_size(size: int) -> str:
-    """A size as torch's allocators print it in their messages (c10's ``format_size``, used
-    by c10/cuda/CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp): ``N bytes`` up
-    to 1024, then KiB up to 1 MiB, MiB up to 1 GiB, else GiB, with two decimals."""
-    if size <= 1024:
-        return f"{size} bytes"
-    for unit, scale in (("KiB", KiB), ("MiB", MiB)):
-        if size <= 1024 * scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size / GiB:.2f} GiB"
-
-
-class FakeCachingAllocator:
-    """CUDA's caching allocator in miniature, as c10/cuda/CUDACachingAllocator.cpp does it:
-
-    - ``round_size``: requests round up to 512 bytes (kMinBlockSize);
-    - ``get_allocation_size``: a new segment is 2 MiB for a request up to 1 MiB (kSmallSize,
-      kSmallBuffer), 20 MiB for one under 10 MiB (kMinLargeAlloc, kLargeBuffer), else the
-      request rounded up to 2 MiB (kRoundLarge); freed blocks stay cached (reserved);
-    - ``alloc_block``: with a fraction set (``limit``, as ``setMemoryFraction`` makes
-      ``allowed_memory_maximum``), a segment that would take the reserved bytes past it
-      fails; otherwise cudaMalloc fails when the device has too little free (``others``
-      stands for what other processes hold);
-    - ``malloc``, when no segment can be had: each out-of-memory observer is called as
-      ``(device, alloc_size, set_fraction ? allowed_memory_maximum : device_total,
-      device_free)``, then ``OutOfMemoryError`` is raised with "CUDA out of memory. Tried to
-      allocate <alloc_size>. GPU 0 has a total capacity of <total> of which <free> is free.
-      [<limit> allowed; ]Of the allocated memory ...". (torch first frees its unused cached
-      segments and retries; the fake does not, which leaves reserved plus free unchanged);
-    - a peak per statistic: bytes allocated, reserved and active (active is allocated here:
-      no block waits on another stream) and the count of live allocations; nothing resets
-      them but ``resetPeakStats``, which resets every one of them to its current value
-      (``DeviceCachingAllocator::resetPeakStats`` calls ``reset_peak_stat`` on the
-      allocation, segment, active, inactive_split and every bytes stat of each pool, and on
-      the oversize ones): torch has no reset of one peak alone;
-    - until CUDA is initialised (``initialized``, set by the first allocation or by hand),
-      the raw statistics call refuses the device index, as torch's does;
-    - ``torch.cuda.get_allocator_backend()`` says ``native`` (torch/csrc/cuda/Module.cpp
-      returns the allocator's ``name()``)."""
-
-    backend = "native"
-
-    def __init__(self, total: int = 80 * 1024 * MiB, *, initialized: bool = True) -> None:
-        self.total = total
-        self.initialized = initialized
-        self.limit: int | None = None  # set_per_process_memory_fraction's cap
-        self.others = 0  # what other processes hold on the device
-        self.allocated = self.reserved = self.blocks = 0
-        self.peaks = dict.fromkeys(self.current(), 0)
-        self.cached = {"small": 0, "large": 0}
-        self.resets = 0
-        self.observers: list[Callable[[int, int, int, int], None]] = []
-
-    def set_fraction(self, fraction: float) -> None:
-        self.limit = int(fraction * self.total)
-
-    def current(self) -> dict[str, int]:
-        """Each statistic's current value, by its name in ``memory_stats()``."""
-        return {"allocated_bytes": self.allocated, "reserved_bytes": self.reserved,
-                "active_bytes": self.allocated, "allocation": self.blocks}
-
-    @property
-    def peak(self) -> int:
-        return self.peaks["allocated_bytes"]
-
-    def taken(self, size: int) -> None:
-        """A block of ``size`` bytes handed out: the statistics and their peaks follow."""
-        self.allocated += size
-        self.blocks += 1
-        for name, value in self.current().items():
-            self.peaks[name] = max(self.peaks[name], value)
-
-    @property
-    def device_free(self) -> int:
-        return self.total - self.others - self.reserved
-
-    def malloc(self, size: int) -> int:
-        self.initialized = True
-        size = -(-size // 512) * 512
-        pool = "small" if size <= MiB else "large"
-        if self.cached[pool] < size:
-            segment = 2 * MiB if pool == "small" else (
-                20 * MiB if size < 10 * MiB else -(-size // (2 * MiB)) * 2 * MiB)
-            if not self.fits(segment):
-                self.out_of_memory(segment)
-            self.reserved += segment
-            self.cached[pool] += segment
-        self.cached[pool] -= size
-        self.taken(size)
-        return size
-
-    def fits(self, segment: int) -> bool:
-        if self.limit is not None and self.reserved + segment > self.limit:
-            return False
-        return segment <= self.device_free
-
-    def out_of_memory(self, segment: int) -> None:
-        for observer in self.observers:  # as the allocator does before raising
-            observer(0, segment, self.total if self.limit is None else self.limit,
-                     self.device_free)
-        allowed = "" if self.limit is None else f"{format_size(self.limit)} allowed; "
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_size(segment)}. GPU 0 has a "
-            f"total capacity of {format_size(self.total)} of which "
-            f"{format_size(self.device_free)} is free. {allowed}Of the allocated memory "
-            f"{format_size(self.allocated)} is allocated by PyTorch, and "
-            f"{format_size(self.reserved - self.allocated)} is reserved by PyTorch but "
-            "unallocated.")
-
-    def free(self, size: int) -> None:
-        self.allocated -= size
-        self.blocks -= 1
-        self.cached["small" if size <= MiB else "large"] += size
-
-    def nested(self, index: int) -> dict[str, dict[str, dict[str, int]]]:
-        if not self.initialized:
-            raise RuntimeError("Invalid device argument")
-        return {name: {"all": {"current": value, "peak": self.peaks[name]}}
-                for name, value in self.current().items()}
-
-    def flat(self, index: int | None = None) -> dict[str, int]:
-        """``torch.cuda.memory_stats()`` (torch/cuda/memory.py: ``{}`` before CUDA is
-        initialised)."""
-        if not self.initialized:
-            return {}
-        flat = {}
-        for name, value in self.current().items():
-            flat[f"{name}.all.current"] = value
-            flat[f"{name}.all.peak"] = self.peaks[name]
-        return flat
-
-    def reset_peak(self, index: int | None = None) -> None:
-        self.peaks = self.current()
-        self.resets += 1
-
-    def attach_observer(self, observer: Callable[[int, int, int, int], None]) -> None:
-        self.observers.append(observer)
-
-
-class FakePinnedAllocator:
-    """CUDA's pinned host allocator in miniature: a request rounds up to a power of two and
-    takes a cached block of that size or makes one; a freed block stays cached; the stats are
-    ``torch.cuda.host_memory_stats()``'s flat keys."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, int] = {}  # size: blocks made
-        self.free_blocks: dict[int, int] = {}
-        self.active = self.peak = 0
-
-    def pin(self, size: int) -> int:
-        size = 1 << (size - 1).bit_length()
-        if self.free_blocks.get(size, 0):
-            self.free_blocks[size] -= 1
-        else:
-            self.blocks[size] = self.blocks.get(size, 0) + 1
-        self.active += size
-        self.peak = max(self.peak, self.held)
-        return size
-
-    def unpin(self, size: int) -> None:
-        self.active -= size
-        self.free_blocks[size] = self.free_blocks.get(size, 0) + 1
-
-    def unpin_after_copy(self, size: int) -> None:
-        """A block given back once its ``non_blocking`` copy's event completed, as torch 2.11
-        does it on an H100: the block is reusable but its bytes stay counted as active (20
-        batches of 64 KiB: 1.3 MiB active of 128 KiB held)."""
-        self.free_blocks[size] = self.free_blocks.get(size, 0) + 1
-
-    @property
-    def held(self) -> int:
-        return sum(size * count for size, count in self.blocks.items())
-
-    def stats(self) -> dict[str, int]:
-        return {"allocated_bytes.current": self.held, "allocated_bytes.peak": self.peak,
-                "active_bytes.current": self.active,
-                "allocations.current": sum(self.blocks.values())}
-
-
-def install(monkeypatch: pytest.MonkeyPatch, fake: FakeCachingAllocator) -> None:
-    """Put ``fake`` where memsentry reads CUDA: ``torch.cuda``'s functions (its readers
-    answer from ``memory_stats()``, as torch/cuda/memory.py's do), the raw statistics call
-    and the out-of-memory observer's binding."""
-    fake.pinned = FakePinnedAllocator()  # type: ignore[attr-defined]
-    for name, value in {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-        "is_initialized": lambda: fake.initialized,
-        "get_allocator_backend": lambda: fake.backend,
-        "memory_allocated": lambda index=None: fake.flat(index).get(
-            "allocated_bytes.all.current", 0),
-        "max_memory_allocated": lambda index=None: fake.flat(index).get(
-            "allocated_bytes.all.peak", 0),
-        "memory_reserved": lambda index=None: fake.flat(index).get(
-            "reserved_bytes.all.current", 0),
-        "max_memory_reserved": lambda index=None: fake.flat(index).get(
-            "reserved_bytes.all.peak", 0),
-        "reset_peak_memory_stats": fake.reset_peak,
-        "get_device_properties": lambda index=None: types.SimpleNamespace(
-            total_memory=fake.total, name="Fake GPU"),
-        "memory_stats": fake.flat,
-        "host_memory_stats": fake.pinned.stats,  # type: ignore[attr-defined]
-    }.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch._C, "_cuda_memoryStats", fake.nested, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
-                        fake.attach_observer, raising=False)
-    monkeypatch.setattr(OOM_OBSERVER, "attached", False)  # attach to this fake
-
-
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCachingAllocator:
-    fake = FakeCachingAllocator()
-    install(monkeypatch, fake)
-    return fake
+    return install(monkeypatch, FakeCachingAllocator())
 
 
 def test_the_fake_allocator_rounds_caches_and_runs_out(cuda: FakeCachingAllocator) -> None:
@@ -355,14 +139,20 @@ def test_the_fake_allocator_rounds_caches_and_runs_out(cuda: FakeCachingAllocato
 def test_cuda_backend_reads_allocated_reserved_and_new_peaks(cuda: FakeCachingAllocator) -> None:
     backend = make_backend(parse_device("cuda"))
     assert isinstance(backend, CudaBackend) and str(backend.device) == "cuda:0"
+    backend.start()
     size = cuda.malloc(5 * MiB)
     cuda.free(size)
-    # Freed memory stays reserved; the peak counter rose: reported once, never reset.
+    # Freed memory stays reserved; the peak counter rose: reported once, until an iteration
+    # begins and the counter is reset for it.
     assert (backend.allocated(), backend.reserved()) == (0, 20 * MiB)
     assert backend.sample() == (0, 5 * MiB)
     assert backend.sample() == (0, None)
-    assert cuda.resets == 0 and backend.peak_mode == "sampled"
+    assert backend.peak_mode == "exact per iteration"
+    backend.restart_peak()
+    cuda.free(cuda.malloc(2 * MiB))
+    assert backend.sample() == (0, 2 * MiB)  # below the old high: seen only after the reset
     assert backend.total_memory() == cuda.total
+    backend.stop()
 
 
 def test_a_cuda_backend_made_before_cuda_is_initialised_reads_zero(
@@ -379,17 +169,20 @@ def test_a_cuda_backend_made_before_cuda_is_initialised_reads_zero(
 def test_cuda_exact_mode_resets_the_peak_counter_at_every_read(
         cuda: FakeCachingAllocator) -> None:
     backend = make_backend(parse_device("cuda:0"), exact=True)
+    backend.start()
     cuda.free(cuda.malloc(MiB))
     assert backend.sample() == (0, MiB)
     assert backend.sample() == (0, 0)
-    assert cuda.resets == 2 and backend.peak_mode == "exact"
+    assert cuda.resets == 3 and backend.peak_mode == "exact"  # at start, and at each sample
+    backend.stop()
 
 
-def test_exact_mode_says_that_every_peak_the_program_reads_was_reset(
+def test_exact_mode_leaves_every_peak_the_program_reads_as_it_was(
         cuda: FakeCachingAllocator) -> None:
     """The program warmed up with four 3 MiB blocks, then reads its own peaks after an
-    exact-mode run: torch's one reset took every peak back, the count of allocations and
-    the active bytes too, not only max_memory_allocated(); the note says so."""
+    exact-mode run, which reset the counters at every hook: torch's one reset takes every
+    peak back (the count of allocations and the active bytes too), yet the program reads
+    the peaks of its whole run."""
     for block in [cuda.malloc(3 * MiB) for _ in range(4)]:
         cuda.free(block)
     model = make_mlp()
@@ -402,15 +195,16 @@ def test_exact_mode_says_that_every_peak_the_program_reads_was_reset(
             opt.zero_grad()
             cuda.free(cuda.malloc(MiB))
     stats = torch.cuda.memory_stats()
-    assert torch.cuda.max_memory_allocated() < 12 * MiB
-    assert stats["allocation.all.peak"] < 4 and stats["active_bytes.all.peak"] < 12 * MiB
+    assert cuda.peak < 12 * MiB and cuda.resets > 3  # the counters themselves were reset
+    assert torch.cuda.max_memory_allocated() == 12 * MiB
+    assert (stats["allocation.all.peak"], stats["active_bytes.all.peak"]) == (4, 12 * MiB)
+    assert torch.cuda.max_memory_reserved() == cuda.reserved
     shown = " ".join(" ".join(t.report().notes).split())
-    assert ("torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() and every "
-            "'.peak' of torch.cuda.memory_stats() now read from memsentry's last sample, not "
-            "from the start of your run; track without exact=True to keep them") in shown
+    assert ("torch.cuda.max_memory_allocated(), max_memory_reserved(), memory_stats() and your "
+            "own reset_peak_memory_stats() read as they would without memsentry") in shown
 
 
-def test_tracking_without_exact_leaves_every_peak_of_the_program_alone(
+def test_tracking_leaves_every_peak_of_the_program_as_it_reads_them(
         cuda: FakeCachingAllocator) -> None:
     for block in [cuda.malloc(3 * MiB) for _ in range(4)]:
         cuda.free(block)
@@ -418,10 +212,11 @@ def test_tracking_without_exact_leaves_every_peak_of_the_program_alone(
     with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
         for _ in range(3):
             model(torch.randn(8, 16)).sum().backward()
+            t.step()
     stats = torch.cuda.memory_stats()
     assert (stats["allocation.all.peak"], torch.cuda.max_memory_allocated()) == (4, 12 * MiB)
-    assert cuda.resets == 0
-    assert "no peak statistic was reset" in " ".join(" ".join(t.report().notes).split())
+    assert cuda.resets >= 3  # one where each iteration began
+    assert "exact per iteration" in str(t.report())
 
 
 def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None:
@@ -440,7 +235,10 @@ def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None
     assert report.reserved == 40 * MiB  # two 20 MiB segments hold the eight 3 MiB blocks
     rules = {f.rule: f for f in report.findings}
     assert "3.0 MiB/iter on cuda:0" in rules["memory-growth"].message
-    assert rules["memory-headroom"].severity is memsentry.Severity.HINT
+    # Most of each peak is the kept blocks, which no part of the step holds: how the peak
+    # would grow with the batch is not known, so no batch is offered.
+    assert "memory-headroom" not in rules
+    assert all(it.peak_exact for it in report.iterations)
     assert report.nvml is not None and report.nvml["available"] is False
 
 

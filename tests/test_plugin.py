@@ -8,7 +8,7 @@ Most runs are in-process (``runpytest``): the plugin enters its dispatch mode on
 inner test, and the measurement only counts storages made inside that window, so the outer
 process does not disturb it. Runs that need a process without torch, or a GPU, are
 subprocesses. CUDA logic is also exercised on CPU with a fake of the plugin's CUDA calls
-(tests/plugin_cases/fake_cuda.py).
+(tests/plugin_cases/plugin_fake_cuda.py).
 """
 
 from __future__ import annotations
@@ -719,7 +719,7 @@ def test_tests_that_never_import_torch_pass_with_the_flag(pytester):
 
 # -- CUDA, with a fake of the plugin's CUDA calls --------------------------------------------------
 FAKE_CONFTEST = """
-    from fake_cuda import FAKE
+    from plugin_fake_cuda import FAKE
 
 
     def pytest_sessionstart(session):
@@ -728,7 +728,7 @@ FAKE_CONFTEST = """
 
 
 def _fake_cuda(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(fake_cuda=(CASES / "fake_cuda.py").read_text())
+    pytester.makepyfile(plugin_fake_cuda=(CASES / "plugin_fake_cuda.py").read_text())
     pytester.makeconftest(FAKE_CONFTEST)
 
 
@@ -736,7 +736,7 @@ def test_cuda_leaks_fail_only_when_the_driver_confirms_them(pytester):
     _fake_cuda(pytester)
     pytester.makepyfile(test_fake="""
         import pytest
-        from fake_cuda import FAKE, MiB
+        from plugin_fake_cuda import FAKE, MiB
 
 
         def test_confirmed():
@@ -806,7 +806,7 @@ def test_cuda_memory_of_wider_fixtures_is_theirs(pytester):
     _fake_cuda(pytester)
     pytester.makepyfile(test_fixtures="""
         import pytest
-        from fake_cuda import FAKE, MiB
+        from plugin_fake_cuda import FAKE, MiB
 
 
         @pytest.fixture(scope="module")
@@ -823,7 +823,7 @@ def test_cuda_memory_of_wider_fixtures_is_theirs(pytester):
         def test_last_use_leaks(on_device):   # the fixture's release must not hide this leak
             FAKE.alloc(2 * MiB)
     """, test_later="""
-        from fake_cuda import FAKE, MiB
+        from plugin_fake_cuda import FAKE, MiB
 
 
         def test_after_the_module():

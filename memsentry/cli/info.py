@@ -43,7 +43,8 @@ def _info_lines() -> list[str]:
         nv = dev.nvml
         if nv.available:
             lines.append(
-                f"  NVML: used {format_bytes(nv.used)} of {format_bytes(nv.total)}, this "
+                f"  NVML: {'MIG slice ' if nv.mig else ''}used {format_bytes(nv.used)} of "
+                f"{format_bytes(nv.total)}, this "
                 f"process {format_bytes(nv.process_used)}, GPU utilisation "
                 f"{'-' if nv.gpu_utilization is None else str(nv.gpu_utilization) + '%'}"
             )

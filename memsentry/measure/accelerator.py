@@ -161,5 +161,8 @@ class AcceleratorBackend:
     def start(self) -> None:
         return None
 
+    def restart_peak(self) -> None:
+        return None
+
     def stop(self) -> None:
         return None

@@ -23,6 +23,8 @@ class MemoryBackend(Protocol):
       samples, in which case the tracker's samples are the peak.
     - ``measured``: what the figures count (tensors only, or the process heap).
     - ``total_memory()``: capacity of the device (physical RAM on CPU), or ``None``.
+    - ``restart_peak()``: an iteration begins; a backend whose peak counter it resets there
+      (CUDA) counts the next iteration's peak from now; the others do nothing.
     - ``start()`` / ``stop()``: begin and end measuring (the exact CPU mode enters a mode).
     """
 
@@ -44,6 +46,8 @@ class MemoryBackend(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    def restart_peak(self) -> None: ...
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -52,10 +56,10 @@ class MemoryBackend(Protocol):
 class IntervalPeak:
     """The peak of an interval from a device's peak counter (CUDA, other accelerators).
 
-    By default the counter is never reset, so what the user reads from it stays theirs: an
-    interval's peak is known only when the counter rose during it (a new high), else
-    :meth:`read` returns ``None`` and the tracker's samples give a lower bound. With
-    ``exact``, ``reset`` is called after every read, so every interval's peak is exact.
+    An interval's peak is known only when the counter rose during it (a new high since the
+    counter was last reset, :meth:`restart`), else :meth:`read` returns ``None`` and the
+    tracker's samples give a lower bound. With ``exact``, ``reset`` is called after every
+    read, so every interval's peak is exact.
     """
 
     def __init__(self, first: int, reset: Callable[[], None], *, exact: bool) -> None:
@@ -72,6 +76,10 @@ class IntervalPeak:
             self._last = peak
             return peak
         return None
+
+    def restart(self, current: int) -> None:
+        """The counter was reset: it reads ``current`` (what is allocated) from now on."""
+        self._last = current
 
 
 #: What ``TORCH_INTERNAL_ASSERT`` puts before its message (c10/util/Exception.h: ``<cond>

@@ -112,5 +112,8 @@ class MallinfoBackend:
     def start(self) -> None:
         return None
 
+    def restart_peak(self) -> None:
+        return None
+
     def stop(self) -> None:
         return None

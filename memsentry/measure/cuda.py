@@ -4,18 +4,14 @@ Reading ``torch.cuda.memory_allocated()`` builds and flattens the whole statisti
 Python; the hook hot path reads the nested dict from ``torch._C._cuda_memoryStats`` once per
 sample instead, and falls back to the public functions where that binding is missing.
 
-Peaks: by default the backend never resets the allocator's peak counters, so what users
-read from ``torch.cuda.max_memory_allocated()`` and the other peaks stays theirs. It reports
-a peak for an interval only when the counter rose during it (a new high: exact); otherwise
-the tracker's samples give a lower bound. ``exact=True`` resets the counters at every sample
-to get every interval's true peak. torch has one reset, and it resets every peak: in
-c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::resetPeakStats`` calls
-``reset_peak_stat`` on the allocation, segment, active, inactive_split, allocated_bytes,
-reserved_bytes, active_bytes, inactive_split_bytes and requested_bytes stats of every pool,
-and on oversize_allocations and oversize_segments. Exact mode cannot spare the peaks it does
-not read, so its note names them all: after it, ``max_memory_allocated()``,
-``max_memory_reserved()`` and every ``.peak`` of ``memory_stats()`` reflect only the time
-since memsentry's last sample.
+Peaks: an iteration's peak is exact by default. torch's peak counter is an all-time high
+(c10/core/CachingDeviceAllocator.h: ``Stat::increase`` keeps ``peak = max(current, peak)``),
+so the backend resets it where each iteration begins (:meth:`CudaBackend.restart_peak`), and
+:mod:`memsentry.measure.peaks` keeps what the program reads as it would be without memsentry:
+``max_memory_allocated()``, every ``.peak`` of ``memory_stats()`` and the program's own
+``reset_peak_memory_stats()``. Inside an iteration, a layer's peak is exact when the counter
+rose during it (a new high of the iteration); otherwise the samples at hooks give a lower
+bound. ``exact=True`` resets the counter at every sample, so every layer's peak is exact too.
 
 Allocators (:mod:`memsentry.measure.allocators`): under ``backend:cudaMallocAsync`` the same
 totals are read and no out-of-memory observer is attached (torch refuses one); under a
@@ -36,6 +32,7 @@ from memsentry.measure.allocators import (
     unmeasured_note,
 )
 from memsentry.measure.base import IntervalPeak, first_sentence
+from memsentry.measure.peaks import CUDA_PEAKS, Account
 from memsentry.model import Measured, PeakMode, PinnedMemory
 from memsentry.model.allocators import CudaAllocator
 
@@ -61,7 +58,13 @@ class AllocatorOom:
 class _OomObserver:
     """The caching allocator's out-of-memory observer (``torch._C.
     _cuda_attach_out_of_memory_observer``), attached once per process (torch has no way to
-    detach one): it keeps the last event, numbered, and nothing else."""
+    detach one): it keeps the last event, numbered, and nothing else.
+
+    It is attached only once the program has started CUDA: c10/cuda/CUDACachingAllocator.cpp's
+    ``NativeCachingAllocator::attachOutOfMemoryObserver`` hands the observer to each device's
+    allocator in ``device_allocator``, which ``init`` fills when CUDA starts, so an observer
+    attached before then is attached to no device (and the attach itself would be a CUDA call
+    in a process that made none)."""
 
     def __init__(self) -> None:
         self.attached = False
@@ -70,7 +73,7 @@ class _OomObserver:
 
     def attach(self) -> None:
         attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if self.attached or not callable(attach):
+        if self.attached or not callable(attach) or not torch.cuda.is_initialized():
             return
         try:
             attach(self._observed)
@@ -91,7 +94,7 @@ def read_pinned() -> PinnedMemory | None:
     where CUDA has not started, this torch has no such counters (before 2.5), or nothing was
     ever pinned."""
     reader = getattr(torch.cuda, "host_memory_stats", None)
-    if reader is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if reader is None or not torch.cuda.is_initialized():
         return None
     try:
         stats = reader()
@@ -106,6 +109,12 @@ def read_pinned() -> PinnedMemory | None:
 
 class CudaBackend:
     """Allocated, reserved and peak bytes of one CUDA device from its allocator's counters.
+
+    The peak counter is reset where each iteration begins (:meth:`restart_peak`; at every
+    sample with ``exact``), through :data:`memsentry.measure.peaks.CUDA_PEAKS`, which keeps the
+    program's own reads of it unchanged. Nothing is read or reset before the program has
+    started CUDA (torch's raw statistics call refuses the device then; there is nothing to
+    read).
 
     Under a pluggable allocator torch refuses every counter: the backend measures nothing
     (every figure reads 0, the device's memory is not given, so that no rule judges it) and
@@ -123,56 +132,67 @@ class CudaBackend:
         self._index = index
         self.support = support()
         self.name = self.support.backend_name
-        self.peak_mode = PeakMode.EXACT if exact else PeakMode.SAMPLED
-        self.notes: tuple[str, ...] = _peak_notes(exact)
+        self.peak_mode = PeakMode.EXACT if exact else PeakMode.ITERATIONS
+        self.notes: tuple[str, ...] = (_peak_note(exact),)
         if self.support.allocator is CudaAllocator.ASYNC:
             self.notes += (async_note(self.device),)
-        self._raw_stats = getattr(torch._C, "_cuda_memoryStats", None)
+        self._account: Account | None = None
+        self._observe = False  # the out-of-memory observer waits for CUDA to start
         self._blind = False
         if not self.support.counters:
             self._step_aside(PLUGGABLE_REFUSAL)
-        self._peak = IntervalPeak(self._read()[2], self._reset_peak, exact=exact)
+        self._peak = IntervalPeak(0, self._reset_peak, exact=exact)
 
     def _step_aside(self, refusal: str) -> None:
         """Measure nothing from now on, and say why (``refusal``: torch's words)."""
         self._blind = True
         self.peak_mode = PeakMode.SAMPLED
         self.notes = (unmeasured_note(self.device, refusal),)
+        self._leave()
 
     def _read(self) -> tuple[int, int, int]:
         """(allocated, reserved, peak allocated) in one allocator call; zeros once the
-        allocator refused."""
-        if self._blind:
+        allocator refused, or before the program started CUDA."""
+        if self._blind or not torch.cuda.is_initialized():
             return 0, 0, 0
+        if self._observe:  # the program started CUDA since tracking began
+            self._observe = False
+            if support().observer:  # the allocator it started with, maybe another
+                OOM_OBSERVER.attach()
         try:
-            return self._read_counters()
+            nested = self._raw_stats(self._index)
+            allocated = int(nested["allocated_bytes"]["all"]["current"])
+            reserved = int(nested["reserved_bytes"]["all"]["current"])
+            peak = int(nested["allocated_bytes"]["all"]["peak"])
         except Exception as error:  # torch refused: the loop must not see it
             self._step_aside(first_sentence(error))
             return 0, 0, 0
+        hidden = self._account.hidden if self._account is not None else 0
+        return allocated, reserved, peak if peak >= hidden else hidden
 
-    def _read_counters(self) -> tuple[int, int, int]:
-        # The raw call refuses a device index before CUDA is initialised ("Invalid device
-        # argument"); torch's own readers answer 0 then.
-        if self._raw_stats is not None and torch.cuda.is_initialized():
-            nested = self._raw_stats(self._index)
-            return (
-                int(nested["allocated_bytes"]["all"]["current"]),
-                int(nested["reserved_bytes"]["all"]["current"]),
-                int(nested["allocated_bytes"]["all"]["peak"]),
-            )
-        return (
-            torch.cuda.memory_allocated(self._index),
-            torch.cuda.memory_reserved(self._index),
-            torch.cuda.max_memory_allocated(self._index),
-        )
+    def _raw_stats(self, index: int) -> dict[str, Any]:
+        """torch's own nested statistics of device ``index``, not the program's view."""
+        reader = CUDA_PEAKS.reader()
+        if reader is None:
+            raise RuntimeError("this torch has no torch._C._cuda_memoryStats")
+        return reader(index)
 
     def _reset_peak(self) -> None:
-        if self._blind:
+        """Reset the peak counter for this backend (the program's view kept); ``_last`` of
+        the interval peak becomes what is allocated now."""
+        if self._blind or self._account is None or not torch.cuda.is_initialized():
             return
         try:
-            torch.cuda.reset_peak_memory_stats(self._index)
+            stats = CUDA_PEAKS.restart(self._index, self._account)
         except Exception as error:
             self._step_aside(first_sentence(error))
+            return
+        self._peak.restart(int(stats["allocated_bytes"]["all"]["current"]))
+
+    def restart_peak(self) -> None:
+        """An iteration begins: its peak is counted from here."""
+        if self.peak_mode is PeakMode.ITERATIONS:
+            self._reset_peak()
 
     def sample(self) -> tuple[int, int | None]:
         allocated, _, peak = self._read()
@@ -214,7 +234,11 @@ class CudaBackend:
     def start(self) -> None:
         if self.support.observer:
             OOM_OBSERVER.attach()
+            self._observe = not OOM_OBSERVER.attached  # at the first reading once CUDA runs
         self._oom_seen = OOM_OBSERVER.count
+        if not self._blind:
+            self._account = CUDA_PEAKS.join(self._index)
+            self._reset_peak()  # the first iteration's peak is its own too
 
     def oom(self) -> AllocatorOom | None:
         """The allocator's last out-of-memory event on this device since :meth:`start`."""
@@ -225,18 +249,21 @@ class CudaBackend:
         return event
 
     def stop(self) -> None:
-        return None
+        self._leave()
+
+    def _leave(self) -> None:
+        account, self._account = getattr(self, "_account", None), None
+        if account is not None:
+            CUDA_PEAKS.leave(self._index, account)
 
 
-def _peak_notes(exact: bool) -> tuple[str, ...]:
+def _peak_note(exact: bool) -> str:
+    kept = ("torch.cuda.max_memory_allocated(), max_memory_reserved(), memory_stats() and "
+            "your own reset_peak_memory_stats() read as they would without memsentry")
     if exact:
-        return ("CUDA peaks are exact: memsentry reset the allocator's peak counters at every "
-                "hook. torch.cuda.reset_peak_memory_stats() resets every peak the allocator "
-                "keeps (bytes allocated, reserved, active and requested, and their counts), so "
-                "torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() and every "
-                "'.peak' of torch.cuda.memory_stats() now read from memsentry's last sample, "
-                "not from the start of your run; track without exact=True to keep them.",)
-    return ("CUDA peaks use the allocator's peak counter when it rose, else samples taken at "
-            "hooks (lower bounds); no peak statistic was reset: "
-            "torch.cuda.max_memory_allocated(), max_memory_reserved() and memory_stats() are "
-            "as your program left them.",)
+        return ("CUDA peaks are exact, layers' too: memsentry reset the allocator's peak "
+                f"counter at every hook, and {kept}.")
+    return ("CUDA iteration peaks are exact: memsentry reset the allocator's peak counter where "
+            "each iteration began, and " + kept + ". A layer's peak is exact where it set its "
+            "iteration's high, else a lower bound (samples at hooks); track(exact=True) makes "
+            "every layer's exact.")

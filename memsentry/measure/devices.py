@@ -48,7 +48,11 @@ def parse_device(device: object) -> torch.device:
 
 def check_supported(device: torch.device, origin: str) -> None:
     """Raise :class:`UnsupportedDeviceError` when ``device`` cannot be measured here."""
-    supported = supported_device_types()
+    # The CPU and CUDA need no question to torch.accelerator, which asks the driver for a
+    # device count on a CUDA build (a program on the CPU then could not fork CUDA children).
+    supported: tuple[str, ...] = DEDICATED_DEVICE_TYPES
+    if device.type not in supported:
+        supported = supported_device_types()
     if device.type not in supported:
         names = ", ".join(repr(t) for t in supported)
         raise UnsupportedDeviceError(

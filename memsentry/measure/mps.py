@@ -105,5 +105,8 @@ class MpsBackend:
     def start(self) -> None:
         return None
 
+    def restart_peak(self) -> None:
+        return None
+
     def stop(self) -> None:
         return None

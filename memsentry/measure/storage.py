@@ -337,6 +337,9 @@ class StorageBackend:
             self._counter.__enter__()
             self._active = True
 
+    def restart_peak(self) -> None:
+        return None
+
     def stop(self) -> None:
         if self._active:
             self._counter.__exit__(None, None, None)

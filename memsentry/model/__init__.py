@@ -7,6 +7,7 @@ read them, the reporters format them. Every value round-trips through a plain di
 
 from memsentry.model.breakdown import CATEGORIES, Breakdown, Breakdowns
 from memsentry.model.cost import Cost, PartCost
+from memsentry.model.devices import DeviceMemory
 from memsentry.model.diff import (
     Breach,
     CategoryChange,
@@ -45,7 +46,7 @@ from memsentry.model.kinds import (
     StepKind,
     SubjectKind,
 )
-from memsentry.model.oom import LayerBytes, OomFix, OutOfMemory
+from memsentry.model.oom import LayerBytes, OomFix, OomSource, OutOfMemory
 from memsentry.model.processes import (
     DatasetObjects,
     DatasetStore,
@@ -69,6 +70,7 @@ __all__ = [
     "Cost",
     "DatasetObjects",
     "DatasetStore",
+    "DeviceMemory",
     "Finding",
     "FindingPair",
     "FixKind",
@@ -90,6 +92,7 @@ __all__ = [
     "Measured",
     "Mismatch",
     "OomFix",
+    "OomSource",
     "OutOfMemory",
     "PartCost",
     "PeakMode",

@@ -18,6 +18,16 @@ def where(phase: Phase, layer: str | None) -> str:
     return f"{phase} of `{layer}`"
 
 
+def outside_allocator(process_used: int | None, reserved: int | None) -> int | None:
+    """A process's device memory outside PyTorch's caching allocator: what NVML counts for the
+    process (``process_used``) less what the allocator ``reserved`` from the driver: the CUDA
+    context, cuBLAS and cuDNN handles and workspaces, NCCL's buffers, other libraries'
+    ``cudaMalloc``. ``None`` when either figure is unknown."""
+    if process_used is None or reserved is None:
+        return None
+    return max(0, process_used - reserved)
+
+
 @dataclass(frozen=True)
 class Breakdown:
     """Memory at one moment, in bytes, by what it is.
@@ -93,4 +103,4 @@ class Breakdowns:
         return cls(peak=peak, iterations=found)
 
 
-__all__ = ["CATEGORIES", "Breakdown", "Breakdowns", "where"]
+__all__ = ["CATEGORIES", "Breakdown", "Breakdowns", "outside_allocator", "where"]

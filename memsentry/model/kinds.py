@@ -49,6 +49,7 @@ class FixKind(_Text):
     AUTOCAST = "autocast"
     OPTIMIZER = "optimizer"
     REQUEST = "request"
+    HEADROOM = "headroom"
 
 
 class ForecastMethod(_Text):
@@ -59,10 +60,13 @@ class ForecastMethod(_Text):
 
 
 class PeakMode(_Text):
-    """How peaks were measured: at sample points (a lower bound) or counting every allocation."""
+    """How peaks were measured: at sample points (a lower bound), counting every allocation
+    (exact, layers too), or from a device's peak counter reset where each iteration begins
+    (each iteration's peak exact; a layer's exact only where it set the iteration's high)."""
 
     SAMPLED = "sampled"
     EXACT = "exact"
+    ITERATIONS = "exact per iteration"
 
 
 class Measured(_Text):

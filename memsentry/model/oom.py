@@ -5,9 +5,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memsentry.model.breakdown import Breakdown, where
+from memsentry.model.breakdown import Breakdown, outside_allocator, where
 from memsentry.model.codec import SIGNED
-from memsentry.model.kinds import FixKind, Phase
+from memsentry.model.kinds import FixKind, Phase, _Text
+
+
+class OomSource(_Text):
+    """What ran out of memory: PyTorch's own allocator (the caching allocator, cudaMallocAsync,
+    the CPU's, MPS's), or a part of CUDA that allocates device memory outside it: a CUDA
+    runtime or driver call torch checks itself (the context, a kernel launch, an extension's
+    ``cudaMalloc``), or a library creating a handle or a workspace. ``CUDNN_START`` is cuDNN
+    failing to start (``CUDNN_STATUS_NOT_INITIALIZED``), which is most often this too, and
+    sometimes a cuDNN that does not match the driver."""
+
+    ALLOCATOR = "allocator"
+    CUDA_RUNTIME = "CUDA runtime"
+    CUDA_DRIVER = "CUDA driver"
+    CUBLAS = "cuBLAS"
+    CUDNN = "cuDNN"
+    CUDNN_START = "cuDNN start"
+    CUFFT = "cuFFT"
+    CUSOLVER = "cuSOLVER"
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,17 @@ class OutOfMemory:
     - ``reserved``: on CUDA, the memory the allocator held from the driver when the error
       was caught (its cache included).
     - ``device_total``: on CUDA, the device's memory.
+    - ``source``: what ran out: the allocator, or a part of CUDA outside it (then
+      ``requested_bytes`` is ``None``: those errors give no size, and ``call`` is the call
+      torch names, such as ``cublasCreate(handle)``, when it names one).
+    - ``device``: on CUDA, the device the figures are of: the one that ran out (``cuda:1``)
+      as the allocator's out-of-memory observer or its message names it, else the tracked
+      device (an error outside the allocator names none). ``tracked`` is the device memsentry
+      measured when that is another one: ``breakdown`` is then ``tracked``'s, while
+      ``reserved``, ``device_free``, ``device_total`` and the NVML figures are ``device``'s
+      (``None`` where they could not be read).
+    - ``process_used`` and ``device_used``: NVML's count of this process's memory on the
+      device and of every process's, read when the error was caught (``None`` without NVML).
     """
 
     error: str
@@ -75,11 +104,35 @@ class OutOfMemory:
     limit: int | None = None
     reserved: int | None = None
     device_total: int | None = None
+    source: OomSource = OomSource.ALLOCATOR
+    call: str | None = None
+    device: str | None = None
+    tracked: str | None = None
+    process_used: int | None = None
+    device_used: int | None = None
 
     @property
     def where(self) -> str:
         """``forward of `encoder.3```, ``optimizer step``, ``between layers``."""
         return where(self.phase, self.layer)
 
+    @property
+    def outside(self) -> bool:
+        """Whether what ran out is outside PyTorch's allocator."""
+        return self.source != OomSource.ALLOCATOR
 
-__all__ = ["LayerBytes", "OomFix", "OutOfMemory"]
+    @property
+    def outside_allocator(self) -> int | None:
+        """The process's device memory that PyTorch's allocator does not hold: NVML's count for
+        the process less what the allocator reserved (``None`` when either is unknown)."""
+        return outside_allocator(self.process_used, self.reserved)
+
+    @property
+    def others(self) -> int | None:
+        """The device memory other processes held, by NVML (``None`` when it does not say)."""
+        if self.device_used is None or self.process_used is None:
+            return None
+        return max(0, self.device_used - self.process_used)
+
+
+__all__ = ["LayerBytes", "OomFix", "OomSource", "OutOfMemory"]

@@ -11,6 +11,7 @@ from memsentry.errors import ReportError
 from memsentry.model.breakdown import Breakdowns
 from memsentry.model.codec import build, found, to_plain
 from memsentry.model.cost import Cost
+from memsentry.model.devices import DeviceMemory
 from memsentry.model.findings import Finding
 from memsentry.model.holders import Census, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
@@ -57,7 +58,9 @@ class ReportData:
     the page-locked host memory PyTorch's pinned allocator held (``None`` without CUDA).
     ``other_threads`` counts the threads, other than the loop's, that stepped an optimizer or
     ran a tracked loop in the process while this one was tracked: figures that count the
-    whole process (the C heap, a device's allocator) count their memory too.
+    whole process (the C heap, a device's allocator) count their memory too. ``devices``
+    describes each CUDA device that held memory when tracking stopped, in a process that sees
+    more than one (a model spread over GPUs), by the allocator and by NVML; empty otherwise.
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -92,6 +95,7 @@ class ReportData:
     resident_peak: int | None = None
     pinned: PinnedMemory | None = None
     other_threads: int = 0
+    devices: tuple[DeviceMemory, ...] = ()
 
     @property
     def breakdown(self) -> Breakdowns:

@@ -61,6 +61,11 @@ class IterationStats:
     ``sampled`` is false for an iteration memsentry measured only at its closing boundary,
     to keep its cost budget: its ``peak`` is then that boundary's reading, a lower bound, and
     it has no ``parts``, ``reserved`` or ``batch``.
+    ``peak_exact`` is true where ``peak`` counts every allocation of the iteration (a device's
+    peak counter reset where it began, or storage counting); false where it is the highest
+    of the samples taken at hooks, a lower bound that misses temporaries inside a layer
+    (cuDNN and cuBLAS workspaces, attention scores): rules that judge the peak against the
+    device or against reserved memory skip such iterations.
     ``resident`` is the process's resident memory as the system counts it (tensors, Python
     objects, libraries, everything) and ``python_blocks`` the blocks Python's small-object
     allocator hands out (each object of 512 bytes or less takes one), both read at the closing
@@ -81,6 +86,7 @@ class IterationStats:
     sampled: bool = True
     resident: int | None = None
     python_blocks: int | None = None
+    peak_exact: bool = False
 
 
 def complete(iterations: Sequence[IterationStats], *, skip: int = 0) -> list[IterationStats]:

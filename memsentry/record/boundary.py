@@ -79,6 +79,7 @@ class Boundaries:
         self._close_cost = 0.0  # seconds the last light iteration's closing took
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
+        self._spanning = False  # the peak counter runs over boundaries passed with a count
         self._workers_read = reading_seconds()  # charged to the budget up to here
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
@@ -88,6 +89,7 @@ class Boundaries:
         if self.skip and event is strongest:
             self.skip -= 1
             self._passed += 1
+            self._spanning = True
             self._clock.index += 1
             return True
         return False
@@ -125,16 +127,17 @@ class Boundaries:
             self._close_cost = spent
 
     def _close_full(self, boundary: Boundary, now: float, *, merge: bool) -> float:
-        self.skip = self._passed = 0  # a stronger signal, or the end, within passed ones
         sampler = self._sampler
         assert sampler.backend is not None
         if self._parts.due:
             self._parts.read_all()  # the step may have made optimizer state
             self._coverage.count(now, PARTS)
+        exact, self._spanning = sampler.peaks_exact() and not self._spanning, False
+        self.skip = self._passed = 0  # a stronger signal, or the end, within passed ones
         allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
                                     sampler.peak, now,
-                                    parts=breakdown(sampler, self._clock.index))
+                                    parts=breakdown(sampler, self._clock.index), exact=exact)
         merged = self._timeline.close(closing, merge=merge)
         if merged is not None:
             # The iterations merged: those the timeline kept and those it left out (passed
@@ -151,8 +154,7 @@ class Boundaries:
             now = time.perf_counter()  # the census's own time is not the loop's
             allocated = sampler.sample()
         self._advance(boundary, closing.seconds, now)
-        sampler.peak = allocated
-        sampler.at_peak = sampler.moment()
+        sampler.begin_iteration(allocated)
         return census
 
     def _close_light(self, boundary: Boundary, now: float) -> float:
@@ -162,19 +164,22 @@ class Boundaries:
         seconds = now - self._clock.started
         each = seconds / (passed + 1)
         allocated = self._sampler.sample()
+        # A peak counter reset where the iteration began gives its peak, hooks or none.
+        exact, self._spanning = self._sampler.peaks_exact() and not self._spanning, False
         resident = self._clock.resident()  # no block count: full boundaries read it
         self._timeline.add(IterationStats(
-            index=self._clock.index, allocated=allocated, reserved=None, peak=allocated,
+            index=self._clock.index, allocated=allocated, reserved=None,
+            peak=self._sampler.peak if exact else allocated, peak_exact=exact,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
             data_seconds=self._clock.data_seconds(passed + 1), sampled=False,
             resident=resident))
-        self._sampler.peak = allocated
         if boundary != Boundary.FORWARD:
             self._settle_calls()
         census = self._pending_census()
         if census:
             now = time.perf_counter()
         self._advance(boundary, seconds, now, iterations=passed + 1)
+        self._sampler.begin_iteration(allocated)
         if self._forward.hooks.bare or self._signals.signal in (Boundary.FORWARD,
                                                                  Boundary.BACKWARD):
             # The next iteration is light with no hook, or with the anchors' hooks alone

@@ -1,24 +1,28 @@
 """Catching the moment a tracked loop runs out of memory.
 
-An out-of-memory error is ``torch.OutOfMemoryError`` (CUDA, and other accelerators), or a
-``RuntimeError`` from the CPU allocator ("DefaultCPUAllocator: can't allocate memory"). When
-one goes through a module's forward, that module's post-hook (which PyTorch runs while the
-error propagates) notes the innermost layer and what memory held, before the stack unwinds;
-otherwise the tracked block's exit finds the phase from the traceback: autograd's engine
-(backward), an optimizer's ``step``, or the loop's own code.
+An out-of-memory error is ``torch.OutOfMemoryError`` (CUDA, and other accelerators), a
+``RuntimeError`` from the CPU allocator ("DefaultCPUAllocator: can't allocate memory"), or a
+failure outside PyTorch's allocator: a CUDA call or a CUDA library that ran out of device
+memory of its own (``CUDA error: out of memory``, raised as ``torch.AcceleratorError`` since
+torch 2.8; ``CUBLAS_STATUS_ALLOC_FAILED`` and the others :mod:`memsentry.record.oomtext`
+lists, with the torch source each follows). When one goes through a module's forward, that
+module's post-hook (which PyTorch runs while the error propagates) notes the innermost layer
+and what memory held, before the stack unwinds; otherwise the tracked block's exit finds the
+phase from the traceback: autograd's engine (backward), an optimizer's ``step``, or the loop's
+own code. memsentry only records: the error goes on as it was raised.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
 from memsentry.measure import MemoryBackend
-from memsentry.measure.cuda import CudaBackend
+from memsentry.measure.cuda import OOM_OBSERVER, CudaBackend
 from memsentry.model import OutOfMemory, Phase
-from memsentry.record.oomtext import OomText, read_message
+from memsentry.record.cudafail import Figures, ceiling, cuda_figures, observed_since
+from memsentry.record.oomtext import read_message, read_outside
 from memsentry.record.sampler import Moment, Sampler, at_moment, with_outside
 from memsentry.record.timeline import IterationClock
 
@@ -35,13 +39,17 @@ def out_of_memory_type() -> type[BaseException] | None:
 
 
 def is_out_of_memory(error: BaseException | None) -> bool:
-    """Whether ``error`` is an allocator's out-of-memory error."""
+    """Whether ``error`` is an allocator's out-of-memory error, or memory running out outside
+    the allocator (``torch.AcceleratorError`` is a ``RuntimeError``)."""
     if error is None:
         return False
     kind = out_of_memory_type()
     if kind is not None and isinstance(error, kind):
         return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in MARKERS)
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return any(m in text for m in MARKERS) or read_outside(text) is not None
 
 
 def requested_bytes(message: str) -> int | None:
@@ -75,6 +83,7 @@ class FailureWatch:
         self.layer: str | None = None
         self.moment: Moment | None = None
         self.total = 0
+        self.observed = OOM_OBSERVER.count  # the allocator's events before this run
 
     def check(self, error: BaseException, layer: str, sampler: Sampler) -> None:
         """A module's post-hook ran while ``error`` propagates through it: if it is an
@@ -90,49 +99,19 @@ class FailureWatch:
         return self.error_id == id(error)
 
 
-@dataclass(frozen=True)
-class _Figures:
-    """The sizes an out-of-memory post-mortem states (see :class:`OutOfMemory`)."""
-
-    requested: int | None
-    segment: bool
-    capacity: int | None
-    free: int | None = None
-    limit: int | None = None
-    reserved: int | None = None
-    total: int | None = None
-
-
-def ceiling(limit: int | None, reserved: int | None, free: int | None) -> int | None:
-    """The most a CUDA allocator could hold: its ``limit``, and no more than what it
-    ``reserved`` plus what was ``free`` on the device (others' memory, the CUDA context)."""
-    if limit is None or reserved is None or free is None:
-        return limit
-    return min(limit, reserved + free)
-
-
-def _cuda_figures(backend: CudaBackend, said: OomText) -> _Figures:
-    """The sizes from the allocator's observer where it told them, else from its message."""
-    observed = backend.oom()
-    total = said.total or backend.total_memory()
-    limit = observed.limit if observed is not None else said.limit
-    if limit is None or (total is not None and limit > total):
-        limit = total  # no fraction set (cudaMallocAsync then prints UINT64_MAX)
-    free = observed.free if observed is not None else said.free
-    reserved = backend.reserved()
-    requested = observed.segment if observed is not None else said.requested
-    return _Figures(requested, observed is not None or said.segment,
-                    ceiling(limit, reserved, free) or backend.total_memory(), free=free,
-                    limit=limit, reserved=reserved, total=total)
-
-
-def figures(backend: MemoryBackend, message: str) -> _Figures:
+def figures(backend: MemoryBackend, message: str, watch: FailureWatch | None = None
+            ) -> Figures:
     """The sizes of an out-of-memory error on ``backend``'s device: on CUDA the allocator's
-    own; elsewhere the size the message gives, in the device's memory."""
-    said = read_message(message)
+    own, of the device that ran out; elsewhere the size the message gives, in the device's
+    memory. ``watch`` dates the allocator observer's events of this run."""
+    said, outside = read_message(message), read_outside(message)
     if isinstance(backend, CudaBackend):
-        return _cuda_figures(backend, said)
-    return _Figures(said.requested, said.segment, backend.total_memory())
+        event = observed_since(watch.observed) if watch is not None else None
+        return cuda_figures(backend, said, outside, event)
+    if outside is not None:
+        return Figures(None, False, backend.total_memory(), source=outside.source,
+                       call=outside.call)
+    return Figures(said.requested, said.segment, backend.total_memory())
 
 
 def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
@@ -151,13 +130,15 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
         layer = moment[5] if phase is Phase.BACKWARD else None
     parts = at_moment(moment, with_outside(sampler, total), phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
-    sizes = figures(backend, str(error))
+    sizes = figures(backend, str(error), watch)
     return OutOfMemory(
         error=type(error).__name__, message=(lines[0] if lines else "")[:500], phase=phase,
         layer=layer, iteration=clock.index, requested_bytes=sizes.requested,
         breakdown=parts, capacity=sizes.capacity, batch=clock.batch,
         device_free=sizes.free, segment=sizes.segment, limit=sizes.limit,
-        reserved=sizes.reserved, device_total=sizes.total,
+        reserved=sizes.reserved, device_total=sizes.total, source=sizes.source,
+        call=sizes.call, device=sizes.device, tracked=sizes.tracked,
+        process_used=sizes.process_used, device_used=sizes.device_used,
     )
 
 

@@ -28,7 +28,8 @@ from memsentry.measure import (
     read_pinned,
     resident_peak,
 )
-from memsentry.model import Boundary, OutOfMemory, ReportData
+from memsentry.measure.gpus import read_devices
+from memsentry.model import Boundary, DeviceMemory, OutOfMemory, ReportData
 from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.boundary import Boundaries
 from memsentry.record.budget import Budget, budget_notes
@@ -48,15 +49,17 @@ from memsentry.record.signals import Action, Signals
 from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_hook_ids
 from memsentry.record.timeline import IterationClock, Timeline
 
-Counters = tuple[dict[str, Any] | None, dict[str, Any] | None]
+Counters = tuple[dict[str, Any] | None, dict[str, Any] | None, tuple[DeviceMemory, ...]]
 
 
 def read_counters(backend: MemoryBackend) -> Counters:
-    """The backend's raw counters and, on CUDA, NVML's view of the device."""
-    nvml = None
+    """The backend's raw counters and, on CUDA, NVML's view of the device (found by its UUID,
+    CUDA never started for it) and every CUDA device the program holds memory on."""
+    nvml, devices = None, tuple[DeviceMemory, ...]()
     if backend.device.type == "cuda":
-        nvml = asdict(nvml_query(backend.device.index or 0))
-    return backend.stats(), nvml
+        nvml = asdict(nvml_query(backend.device.index or 0, initialise=False))
+        devices = read_devices()
+    return backend.stats(), nvml, devices
 
 
 def first_device(values: Any) -> torch.device:
@@ -181,7 +184,11 @@ class Recorder:
         self._set_active(True)
         self._clock.started = time.perf_counter()
         try:
-            if self.device is None and not torch.cuda.is_available():
+            # A torch built without CUDA measures the CPU now; on a CUDA build the device
+            # is picked at the first module call, never by asking the driver here: torch.
+            # cuda.is_available() registers torch's fork handler (torch/csrc/cuda/Module.cpp,
+            # THCPModule_getDeviceCount_wrap), after which a forked child cannot use CUDA.
+            if self.device is None and not torch.backends.cuda.is_built():
                 self.device = torch.device("cpu")
             if self.device is not None:
                 self._start_backend(self.device)
@@ -361,7 +368,7 @@ class Recorder:
             reserved=reserved, total_memory=backend.total_memory(),
             peak_mode=backend.peak_mode, measured=backend.measured, notes=notes,
             dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
-            allocator_stats=counters[0], nvml=counters[1],
+            allocator_stats=counters[0], nvml=counters[1], devices=counters[2],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
             oom=self._oom, cost=cost, other_threads=self._owner.others(),
         ))

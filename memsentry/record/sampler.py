@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from memsentry.measure import MallinfoBackend, MemoryBackend
-from memsentry.model import Breakdown, Phase
+from memsentry.model import Breakdown, PeakMode, Phase
 from memsentry.record.calls import BackwardCall, ForwardCall
 from memsentry.record.parts import Parts
 
@@ -70,6 +70,18 @@ class Sampler:
                 call.peak = high
         self.last = allocated
         return allocated
+
+    def begin_iteration(self, allocated: int) -> None:
+        """An iteration begins with ``allocated`` bytes: its peak is counted from here."""
+        assert self.backend is not None
+        self.backend.restart_peak()
+        self.peak = allocated
+        self.at_peak = self.moment()
+
+    def peaks_exact(self) -> bool:
+        """Whether the running iteration's peak counts every allocation in it."""
+        mode = self.backend.peak_mode if self.backend is not None else PeakMode.SAMPLED
+        return mode is not PeakMode.SAMPLED
 
     def sample_at_pack(self) -> None:
         """A sample at a saved-tensor pack (mallinfo2 only), while those stay cheap."""

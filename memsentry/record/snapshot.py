@@ -56,7 +56,7 @@ def with_snapshot_options(options: Options, model: nn.Module | None) -> Options:
     device = options.device
     if device is None and model is not None:
         device = device_of_module(model)
-    if device is None and not torch.cuda.is_available():
+    if device is None and not torch.cuda.is_initialized():  # never a driver call here
         device = torch.device("cpu")
     if device is not None and device.type not in ("cpu", "cuda"):
         raise ValueError(
@@ -106,7 +106,7 @@ class SnapshotRecording:
                 backend.record_history(self._history)
                 self._backend = backend
             elif (device is not None and device.type == "cuda") or (
-                    device is None and torch.cuda.is_available()):
+                    device is None and torch.cuda.is_initialized()):
                 self._start_cuda()
             else:
                 self.notes.append(

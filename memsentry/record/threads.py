@@ -34,11 +34,12 @@ StepListener = Callable[[Any, Any, Any], None]
 #: Optimizer steps and tracked iterations by thread, since the first tracker began. Each
 #: thread writes only its own entry; readers copy the dict whole.
 _activity: dict[int, int] = {}
+_get_ident = threading.get_ident  # bound once: the step hook below runs at every step
 
 
 def mark_activity() -> None:
     """Count a step of the calling thread's loop (an optimizer step, an iteration ended)."""
-    ident = threading.get_ident()
+    ident = _get_ident()
     _activity[ident] = _activity.get(ident, 0) + 1
 
 
@@ -91,8 +92,9 @@ _steppers: set[int] = set()  # threads seen stepping an optimizer while the hook
 
 
 def _dispatch(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _steppers.add(threading.get_ident())
-    mark_activity()
+    ident = _get_ident()
+    _steppers.add(ident)
+    _activity[ident] = _activity.get(ident, 0) + 1  # mark_activity(), inlined: every step
     for listener in _listeners:
         listener(optimizer, args, kwargs)
 

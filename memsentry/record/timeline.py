@@ -78,10 +78,13 @@ class IterationClock:
         self.calls += 1
 
     def close(self, boundary: Boundary, allocated: int, reserved: int | None, peak: int,
-              now: float, parts: Breakdown | None = None) -> IterationStats:
-        """The record of the iteration ending now."""
+              now: float, parts: Breakdown | None = None, *,
+              exact: bool = False) -> IterationStats:
+        """The record of the iteration ending now (``exact``: its peak counts every
+        allocation)."""
         return IterationStats(
             index=self.index, allocated=allocated, reserved=reserved, peak=peak,
+            peak_exact=exact,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
             data_seconds=self.data_seconds(), batch=self.batch, parts=parts,
             resident=self.resident(),
@@ -149,6 +152,7 @@ class Timeline:
         highest = max([*parts, closing], key=lambda p: p.peak)
         self.items.append(replace(
             closing, index=first.index, peak=highest.peak, parts=highest.parts,
+            peak_exact=all(part.peak_exact for part in [*parts, closing]),
             seconds=closing.seconds + sum(p.seconds for p in parts),
             forward_calls=closing.forward_calls + sum(p.forward_calls for p in parts),
             data_seconds=first.data_seconds, batch=first.batch,

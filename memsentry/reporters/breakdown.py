@@ -12,6 +12,7 @@ from memsentry.model import (
     PinnedMemory,
     ReportData,
 )
+from memsentry.model.breakdown import outside_allocator
 from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 
@@ -47,6 +48,24 @@ def pinned_line(pinned: PinnedMemory) -> str:
             "batches)")
 
 
+def outside_line(report: ReportData) -> str | None:
+    """On CUDA, the process's device memory outside PyTorch's caching allocator when tracking
+    stopped: NVML's count for the process less what the allocator reserved (``None`` when
+    NVML gave no count)."""
+    nvml = report.nvml or {}
+    used = nvml.get("process_used")
+    if not isinstance(used, int) or isinstance(used, bool) or not nvml.get("available"):
+        return None
+    outside = outside_allocator(used, report.reserved)
+    if outside is None:
+        return None
+    return (f"Outside PyTorch's allocator: {format_bytes(outside)} when tracking stopped: NVML "
+            f"counted {format_bytes(used)} for this process on {report.device} and the caching "
+            f"allocator reserved {format_bytes(report.reserved)}; the rest is the CUDA context, "
+            "cuBLAS and cuDNN handles and workspaces, NCCL buffers and other libraries' "
+            "memory, which the table above does not count")
+
+
 def _share(value: int, total: int) -> str:
     return f"{value / total:.0%}" if total else "-"
 
@@ -59,12 +78,20 @@ def heap_at_start(report: ReportData, peak: Breakdown) -> int:
     return max(0, min(peak.other, report.baseline - peak.parameters))
 
 
+def _apart(report: ReportData) -> list[str]:
+    """What the table does not count: memory outside the allocator, pinned host memory."""
+    outside = outside_line(report)
+    pinned = None if report.pinned is None else pinned_line(report.pinned)
+    return [line for line in (outside, pinned) if line is not None]
+
+
 def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
-    """The table and the pinned host memory; ``None`` when no iteration carries a breakdown
-    and nothing was pinned."""
+    """The table, the memory outside the allocator and the pinned host memory; ``None`` when
+    no iteration carries a breakdown and there is neither."""
     peak = report.breakdown.peak
+    apart = _apart(report)
     if peak is None:
-        return None if report.pinned is None else fill(pinned_line(report.pinned), width)
+        return "\n".join(fill(line, width) for line in apart) or None
     index = next((it.index for it in report.iterations if it.parts is peak), None)
     heap = heap_at_start(report, peak)
     rows = []
@@ -94,10 +121,9 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     if peak.excess:
         lines.append(f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
                      "read: the peak fell between the moments they were read.")
-    if report.pinned is not None:
-        lines.append(pinned_line(report.pinned))
+    lines += apart
     return "\n".join(fill(line, width) if "\n" not in line else line
                      for line in lines)
 
 
-__all__ = ["heap_at_start", "layer_share", "pinned_line", "render_breakdown"]
+__all__ = ["heap_at_start", "layer_share", "outside_line", "pinned_line", "render_breakdown"]

@@ -83,6 +83,8 @@ def _point_text(it: IterationStats) -> str:
     text += f", {it.seconds * 1000:.1f} ms"
     if it.batch is not None:
         text += f", batch {it.batch}"
+    if not it.peak_exact:
+        text += ", peak a lower bound (sampled, not counted)"
     return text
 
 

@@ -42,8 +42,13 @@ def headline(report: ReportData) -> str:
     parts = []
     if report.oom is not None:
         oom = report.oom
-        parts.append(f"out of memory in the {oom.where} (iteration {oom.iteration}); "
-                     "the post-mortem below says what held memory and what would have fit")
+        if oom.outside:
+            parts.append(f"out of memory outside PyTorch's caching allocator in the "
+                         f"{oom.where} (iteration {oom.iteration}); the post-mortem below says "
+                         "what held memory and what leaves room")
+        else:
+            parts.append(f"out of memory in the {oom.where} (iteration {oom.iteration}); "
+                         "the post-mortem below says what held memory and what would have fit")
     if serious:
         named = "; ".join(_named(f) for f in serious[:NAMED])
         more = len(serious) - NAMED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
 from tabulate import DataRow, TableFormat, tabulate
 
@@ -14,12 +14,14 @@ from memsentry.model import (
     Breakdown,
     IterationStats,
     LayerStats,
+    PeakMode,
     ReportData,
     complete,
     growth_per_iteration,
 )
 from memsentry.reporters.breakdown import render_breakdown
 from memsentry.reporters.columns import LAYER_COLUMNS
+from memsentry.reporters.gpus import device_lines, nvml_line
 from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.processes import render_processes
@@ -116,6 +118,9 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
         rows[-1][0] = "total"
     hidden = len(report.layers) - len(shown)
     title = "Layers (bytes per call: the worst call after the first, which carries one-time set-up"
+    if report.peak_mode == PeakMode.ITERATIONS:
+        title += ("; a peak is a lower bound where the layer did not set its iteration's high "
+                  "(samples at hooks)")
     if hidden:
         limits = []
         if max_depth is not None:
@@ -151,7 +156,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
         label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
         rows.append([label, format_bytes(it.allocated),
                      format_bytes(it.allocated - report.baseline, signed=True),
-                     format_bytes(it.peak), format_bytes(it.reserved),
+                     _peak_cell(it, report), format_bytes(it.reserved),
                      *[format_bytes(it.resident)] * resident,
                      f"{it.seconds * 1000:.1f} ms"])
     table = tabulate(rows, headers=headers, tablefmt="simple",
@@ -194,6 +199,13 @@ def render_findings(report: ReportData, *, width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def _peak_cell(it: IterationStats, report: ReportData) -> str:
+    """An iteration's peak; ``>=`` before it where a run that counts peaks could not count
+    this one (a light iteration, one the budget passed): a lower bound."""
+    bound = not it.peak_exact and report.peak_mode != PeakMode.SAMPLED
+    return (">= " if bound else "") + format_bytes(it.peak)
+
+
 def render_header(report: ReportData, *, width: int = 100) -> str:
     where = rank_line(report)
     parts = [f"memsentry: {report.device} ({report.backend}, peaks {report.peak_mode})"
@@ -211,8 +223,10 @@ def render_header(report: ReportData, *, width: int = 100) -> str:
     if process is not None:
         parts.append(process)
     if report.nvml is not None:
-        parts.append(_nvml_line(report.nvml))
-    return "\n".join(fill(part, width, subsequent_indent="  ") for part in parts)
+        parts.append(nvml_line(report.nvml))
+    lines = [fill(part, width, subsequent_indent="  ") for part in parts]
+    lines += [fill(line, width, subsequent_indent="    ") for line in device_lines(report)]
+    return "\n".join(lines)
 
 
 def _process_line(report: ReportData) -> str | None:
@@ -224,23 +238,6 @@ def _process_line(report: ReportData) -> str | None:
             f"{format_bytes(last.rss)} ({format_bytes(last.rss - first.rss, signed=True)})")
     if report.resident_peak is not None:  # read before the last reading: never below it
         line += f", highest ever {format_bytes(max(report.resident_peak, last.rss))}"
-    return line
-
-
-def _nvml_bytes(nvml: dict[str, Any], key: str) -> str:
-    """A figure of NVML's free-form record: ``-`` where it is absent or not a number."""
-    value = nvml.get(key)
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return format_bytes(value if ok else None)
-
-
-def _nvml_line(nvml: dict[str, Any]) -> str:
-    if not nvml.get("available"):
-        return f"NVML: unavailable: {nvml.get('reason')}"
-    line = (f"NVML: device used {_nvml_bytes(nvml, 'used')} of {_nvml_bytes(nvml, 'total')}, "
-            f"this process {_nvml_bytes(nvml, 'process_used')}")
-    if nvml.get("gpu_utilization") is not None:
-        line += f", GPU utilisation {nvml['gpu_utilization']}%"
     return line
 
 

@@ -105,8 +105,11 @@ def _fragmented(its: list[IterationStats]) -> tuple[int, int, float | None] | No
 @rule(FRAGMENTATION, severities={Severity.WASTE}, devices={"cuda"})
 def allocator_fragmentation(report: ReportData) -> list[Finding]:
     """CUDA: reserved memory far above the highest peak, or growing while the peak is flat:
-    freed blocks that the caching allocator cannot reuse for new sizes."""
-    its = complete([it for it in report.iterations if it.reserved is not None], skip=WARMUP)
+    freed blocks that the caching allocator cannot reuse for new sizes. Judged on exact
+    peaks only: against a peak sampled at hooks, a temporary made and freed inside a layer
+    would look like reserved memory nothing uses."""
+    its = complete([it for it in report.iterations
+                    if it.reserved is not None and it.peak_exact], skip=WARMUP)
     found = _fragmented(its) if is_cuda(report) and len(its) >= 4 else None
     if found is None:
         return []

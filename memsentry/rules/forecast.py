@@ -36,6 +36,13 @@ FITTED_CAVEAT = (
 )
 
 
+SAMPLED_CAVEAT = (
+    "The measured peaks are lower bounds (the highest of the samples at hooks, blind to "
+    "temporaries inside a layer), so the forecast may be low; track(exact=True) counts every "
+    "allocation (on CUDA every iteration's peak is counted already)."
+)
+
+
 @dataclass(frozen=True)
 class Line:
     fixed: float
@@ -127,6 +134,8 @@ def forecast(report: ReportData, batch: int) -> Forecast:
         raise ValueError(f"forecast(batch={batch!r}): give the batch size as a positive int")
     line = _line_or_error(report, batch)
     caveat = FITTED_CAVEAT if line.method is ForecastMethod.BATCHES else ONE_BATCH_CAVEAT
+    if not all(it.peak_exact for it in _measured(report)):
+        caveat += " " + SAMPLED_CAVEAT
     return Forecast(batch=batch, peak=line.at(batch), fixed=round(line.fixed),
                     per_sample=line.per_sample, method=line.method, points=line.points,
                     spread=line.spread, caveat=caveat)
