@@ -181,3 +181,45 @@ def test_user_modules_follow_sys_modules_between_censuses(tmp_path: Path) -> Non
     finally:
         del sys.modules[first.__name__]
     assert all(m.__name__ != "memsentry_test_later" for m in user_modules())
+
+
+class _Node:
+    pass
+
+
+class _ProxyNet(nn.Module):
+    """A model holding a weakref.proxy whose referent died, as Lightning's objects hold
+    proxies to one another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        gone = _Node()
+        self.dead = weakref.proxy(gone)
+        del gone
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_dead_weak_proxies_in_garbage_and_on_the_model_do_not_stop_the_census() -> None:
+    """Seen on a Lightning run: every holder search failed with "ReferenceError:
+    weakly-referenced object no longer exists" (isinstance() asks a proxy for its referent's
+    class), and the leak below went unnamed."""
+    model = _ProxyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memsentry.track(model, on_leak="ignore", overhead=None) as t:
+        for _ in range(12):
+            node, target = _Node(), _Node()
+            node.proxy, node.me = weakref.proxy(target), node  # a cycle holding a proxy
+            del node, target  # the referent dies, the cycle is garbage for the census
+            model.kept.append(model(torch.randn(4, 8)).sum())
+            model.kept[-1].backward(retain_graph=True)
+            opt.step()
+            opt.zero_grad()
+    report = t.report()
+    assert not [note for note in report.notes if "holder search" in note]
+    assert report.censuses
+    (finding,) = [f for f in report.findings if f.rule == "tensor-accumulation"]
+    assert "kept" in finding.message

@@ -46,7 +46,9 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
     tensors = size = 0
     storages: set[tuple[str, int]] = set()
     for obj in found:
-        if isinstance(obj, torch.Tensor):
+        # By type, never isinstance(): a weakref.proxy answers isinstance() for its referent,
+        # and one whose referent died raises ReferenceError (Lightning keeps such proxies).
+        if issubclass(type(obj), torch.Tensor):
             tensors += 1
             key = storage_key(obj)
             if key is not None and key[0] not in storages:
