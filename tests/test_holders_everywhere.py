@@ -401,6 +401,21 @@ def test_memoryviews_and_bytearrays_kept_by_an_object_are_counted(method: str,
     assert f"gains 1 {kind}/iter" in finding.message
 
 
+def test_one_bytearray_extended_every_step_is_named_as_a_buffer_not_a_tensor() -> None:
+    """One buffer, made longer each step (a log of raw bytes): the holder is named with what it
+    is. Before, the message said it kept "0 tensors: a tensor made larger every iteration
+    (concatenated onto itself, or padded)" and the fix spoke of torch.cat."""
+    model, opt = _model()
+    raw = bytearray()
+    with memsentry.track(model, on_leak="ignore") as t:
+        for _ in range(STEPS):
+            raw.extend(_step(model, opt, batch=256).detach().numpy().tobytes())
+    finding = _leaks(t.report())["tensor-accumulation"]
+    assert finding.message.startswith("`raw` (a local of ")
+    assert "while it keeps no tensor but 1 Python buffer (a bytearray" in finding.message
+    assert "torch.cat" not in finding.fix and "del raw[:n]" in finding.fix
+
+
 # -- dicts keyed by strings ----------------------------------------------------------------------
 def test_a_dict_given_a_new_string_key_every_step_is_one_leak() -> None:
     model, opt = _model()

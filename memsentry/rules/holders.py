@@ -179,25 +179,48 @@ def _growing_tensor(row: list[HolderStats | None], size: Trend) -> Finding:
     first, end = size.windows()[-1]
     rate = (size.values[end] - size.values[first]) / (size.iterations[end]
                                                         - size.iterations[first])
-    tensors = f"{last.tensors:,} tensor{'s' if last.tensors != 1 else ''}"
+    base = base_name(last)
+    kept, fix = _buffer_kept(last, base) if _only_buffers(last) else _tensor_kept(last, base)
     message = (
         f"{describe_holder(last)} grows by {format_bytes(round(rate))}/iter: "
         f"{format_bytes(last.bytes)} at iteration {size.iterations[end]}, up from "
         f"{format_bytes(round(size.values[first]))} at iteration {size.iterations[first]}, "
-        f"while it keeps {tensors}: a tensor made larger every iteration (concatenated "
-        "onto itself, or padded) keeps everything each step added"
-    )
-    base = base_name(last)
-    fix = (
-        f"bound `{base}`: preallocate it and write in place (a ring buffer, "
-        f"`{base}[i % k] = x`), or keep only the last rows (`{base} = torch.cat([{base}, "
-        f"x])[-k:]`); move what must stay to the CPU (`.cpu()`) or to disk"
+        f"while it keeps {kept}"
     )
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
         bytes=last.bytes, objects=last.tensors, rate=rate, subject=Subject.holder(last.path),
         location=last.where, iteration=size.iterations[end],
     )
+
+
+def _only_buffers(last: HolderStats) -> bool:
+    """Whether what grows is Python buffers (a bytearray, a memoryview, a DLPack capsule),
+    no tensor among them."""
+    return last.tensors == 0 and last.buffers > 0
+
+
+def _tensor_kept(last: HolderStats, base: str) -> tuple[str, str]:
+    """What a holder growing with as many tensors keeps, and its fix."""
+    tensors = f"{last.tensors:,} tensor{'s' if last.tensors != 1 else ''}"
+    kept = (f"{tensors}: a tensor made larger every iteration (concatenated onto itself, or "
+            "padded) keeps everything each step added")
+    fix = (
+        f"bound `{base}`: preallocate it and write in place (a ring buffer, "
+        f"`{base}[i % k] = x`), or keep only the last rows (`{base} = torch.cat([{base}, "
+        f"x])[-k:]`); move what must stay to the CPU (`.cpu()`) or to disk"
+    )
+    return kept, fix
+
+
+def _buffer_kept(last: HolderStats, base: str) -> tuple[str, str]:
+    """What a holder growing with Python buffers and no tensor keeps, and its fix."""
+    buffers = f"{last.buffers:,} Python buffer{'s' if last.buffers != 1 else ''}"
+    kept = (f"no tensor but {buffers} (a bytearray, a memoryview or a DLPack capsule): a "
+            "buffer extended every iteration keeps every byte each step added")
+    fix = (f"bound `{base}`: drop what was used (`del {base}[:n]`, or `{base}.clear()` once "
+           "written out), or write into a buffer of fixed size; move what must stay to disk")
+    return kept, fix
 
 
 def _what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
