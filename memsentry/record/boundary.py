@@ -137,7 +137,8 @@ class Boundaries:
         allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
                                     sampler.peak, now,
-                                    parts=breakdown(sampler, self._clock.index), exact=exact)
+                                    parts=breakdown(sampler, self._clock.index), exact=exact,
+                                    own_blocks=sampler.own_blocks)
         merged = self._timeline.close(closing, merge=merge)
         if merged is not None:
             # The iterations merged: those the timeline kept and those it left out (passed

@@ -39,6 +39,7 @@ class Sampler:
         self.last = 0  # allocated at the newest sample
         self.peak = 0  # highest allocated in the running iteration
         self.own = 0  # allocated memory memsentry's censuses added (their records) or freed (gc)
+        self.own_blocks = 0  # the same in Python's small-object blocks
         self.notes: list[str] = []
         self._packs, self._pack_seconds = 0, 0.0
 

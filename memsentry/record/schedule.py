@@ -93,7 +93,7 @@ class CensusSchedule:
         assert backend is not None
         collections, freed = self._full_collections, self._full_freed
         self._full_collections = self._full_freed = 0
-        before = backend.allocated()
+        before, blocks = backend.allocated(), sys.getallocatedblocks()
         self._collecting = True
         try:
             garbage = garbage_census(backend.allocated, collections, freed,
@@ -127,6 +127,8 @@ class CensusSchedule:
             self._collecting = False
         self.censuses.append(census)
         self._sampler.own += backend.allocated() - before
+        # Python's blocks too: the census's records are not the program's small objects.
+        self._sampler.own_blocks += sys.getallocatedblocks() - blocks
 
     def plan(self, index: int, *, due: bool) -> None:
         """At the boundary that closed iteration ``index``: a census is wanted when ``due``
