@@ -31,16 +31,18 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 Fake = TypeVar("Fake", bound="FakeCachingAllocator")
 
 
-def format_size(size: int) -> str:
+def format_size(size: int, units: tuple[str, str, str] = ("KiB", "MiB", "GiB")) -> str:
     """A size as torch's allocators print it in their messages (c10's ``format_size``, used
     by c10/cuda/CUDACachingAllocator.cpp and CUDAMallocAsyncAllocator.cpp): ``N bytes`` up
-    to 1024, then KiB up to 1 MiB, MiB up to 1 GiB, else GiB, with two decimals."""
+    to 1024, then KiB up to 1 MiB, MiB up to 1 GiB, else GiB, with two decimals (``units``:
+    the names printed for those three)."""
+    kib, mib, gib = units
     if size <= 1024:
         return f"{size} bytes"
-    for unit, scale in (("KiB", KiB), ("MiB", MiB)):
+    for unit, scale in ((kib, KiB), (mib, MiB)):
         if size <= 1024 * scale:
             return f"{size / scale:.2f} {unit}"
-    return f"{size / GiB:.2f} GiB"
+    return f"{size / GiB:.2f} {gib}"
 
 
 class FakeCachingAllocator:

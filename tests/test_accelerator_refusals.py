@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_mlp
+from fake_cuda import GiB, MiB, format_size
 from test_fake_devices import FakeAllocator, xpu  # noqa: F401  (the fixture)
 from torch import nn
 
 import memsentry
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: The message torch gives: c10/core/CachingDeviceAllocator.cpp (``GetDeviceAllocator``) does
 #: ``TORCH_INTERNAL_ASSERT(device_allocator, "Allocator for ", t, " is not a
@@ -27,13 +26,9 @@ NOT_A_DEVICE_ALLOCATOR = (
 def mps_format_size(size: int) -> str:
     """A size as aten/src/ATen/mps/MPSAllocator.mm's own ``format_size`` prints it (the
     releases before it called c10's): ``N bytes`` up to 1024, then the size divided by
-    1024.0, 1048576.0 or 1073741824.0 with two decimals and ``KB``, ``MB`` or ``GB``."""
-    if size <= 1024:
-        return f"{size} bytes"
-    for unit, scale in (("KB", KiB), ("MB", MiB)):
-        if size <= 1024 * scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size / GiB:.2f} GB"
+    1024.0, 1048576.0 or 1073741824.0 with two decimals and ``KB``, ``MB`` or ``GB``: c10's
+    arithmetic under other names."""
+    return format_size(size, ("KB", "MB", "GB"))
 
 
 class FakeMps:

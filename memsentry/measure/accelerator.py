@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from memsentry.measure.base import IntervalPeak, first_sentence
+from memsentry.measure.base import IntervalPeak, Passive, first_sentence
 from memsentry.model import Measured, PeakMode
 
 _ALLOCATED = "allocated_bytes.all.current"
@@ -74,7 +74,7 @@ def _peak_note(device_type: str, exact: bool) -> str:
         "to keep them.")
 
 
-class AcceleratorBackend:
+class AcceleratorBackend(Passive):
     """Allocated, reserved and peak bytes of one accelerator device via ``torch.accelerator``.
 
     ``refusal`` is torch's words when it refused a call (``None`` while it answers): from
@@ -157,12 +157,3 @@ class AcceleratorBackend:
 
     def stats(self) -> dict[str, Any]:
         return self._stats()
-
-    def start(self) -> None:
-        return None
-
-    def restart_peak(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None

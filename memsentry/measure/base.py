@@ -53,6 +53,20 @@ class MemoryBackend(Protocol):
     def stop(self) -> None: ...
 
 
+class Passive:
+    """The lifecycle of a backend that enters no mode and resets no counter: starting,
+    stopping and an iteration's beginning ask nothing of it."""
+
+    def start(self) -> None:
+        return None
+
+    def restart_peak(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
 class IntervalPeak:
     """The peak of an interval from a device's peak counter (CUDA, other accelerators).
 

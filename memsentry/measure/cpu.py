@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memsentry.measure.base import Passive
 from memsentry.model import Measured, PeakMode
 
 _MALLINFO2_FIELDS = (
@@ -59,7 +60,7 @@ def physical_memory() -> int | None:
         return None
 
 
-class MallinfoBackend:
+class MallinfoBackend(Passive):
     """Sampled CPU backend: allocated = in-use heap bytes + mmapped chunks (glibc counters)."""
 
     name = "cpu-mallinfo2"
@@ -108,12 +109,3 @@ class MallinfoBackend:
     def stats(self) -> dict[str, Any]:
         info = self._mallinfo2()
         return {name: int(getattr(info, name)) for name in _MALLINFO2_FIELDS}
-
-    def start(self) -> None:
-        return None
-
-    def restart_peak(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memsentry.measure.accelerator import refused_note
-from memsentry.measure.base import first_sentence
+from memsentry.measure.base import Passive, first_sentence
 from memsentry.model import Measured, PeakMode
 
 _COUNTERS = ("current_allocated_memory", "driver_allocated_memory")
@@ -44,7 +44,7 @@ def _counters_note(refusal: str, exact: bool) -> str:
     return note + (", even with exact=True." if exact else ".")
 
 
-class MpsBackend:
+class MpsBackend(Passive):
     """Allocated and driver-held bytes of the MPS device from ``torch.mps``, for a torch
     whose ``torch.accelerator`` refused them (``refusal``: its words).
 
@@ -101,12 +101,3 @@ class MpsBackend:
         if driver is None:
             return {}
         return {"current_allocated_memory": allocated, "driver_allocated_memory": driver}
-
-    def start(self) -> None:
-        return None
-
-    def restart_peak(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        return None

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memsentry.measure.jitaside as jitaside
+from memsentry.measure.base import Passive
 from memsentry.measure.cpu import physical_memory
 from memsentry.measure.history import History
 from memsentry.model import Measured, PeakMode
@@ -278,7 +279,7 @@ class ThreadCounter(_CountingMode):
         return func(*args, **(kwargs or {}))
 
 
-class StorageBackend:
+class StorageBackend(Passive):
     """Exact CPU backend: every tensor storage created while tracking, counted once."""
 
     name = "cpu-storages"
@@ -336,9 +337,6 @@ class StorageBackend:
         if not self._active:
             self._counter.__enter__()
             self._active = True
-
-    def restart_peak(self) -> None:
-        return None
 
     def stop(self) -> None:
         if self._active:
