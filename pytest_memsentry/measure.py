@@ -112,7 +112,7 @@ class TorchCuda:
         reader = CUDA_PEAKS.reader()
         peak = allocated_peak(reader(device)) if reader is not None else 0
         account = self._accounts.get(device)
-        return max(peak, account.hidden) if account is not None else peak
+        return account.high(peak) if account is not None else peak
 
     def reset_peak(self, device: int) -> None:
         account = self._accounts.get(device)

@@ -167,8 +167,8 @@ class CudaBackend:
         except Exception as error:  # torch refused: the loop must not see it
             self._step_aside(first_sentence(error))
             return 0, 0, 0
-        hidden = self._account.hidden if self._account is not None else 0
-        return allocated, reserved, peak if peak >= hidden else hidden
+        account = self._account
+        return allocated, reserved, peak if account is None else account.high(peak)
 
     def _raw_stats(self, index: int) -> dict[str, Any]:
         """torch's own nested statistics of device ``index``, not the program's view."""
@@ -252,7 +252,7 @@ class CudaBackend:
         self._leave()
 
     def _leave(self) -> None:
-        account, self._account = getattr(self, "_account", None), None
+        account, self._account = self._account, None
         if account is not None:
             CUDA_PEAKS.leave(self._index, account)
 

@@ -53,6 +53,10 @@ class Account:
     def __init__(self) -> None:
         self.hidden = 0
 
+    def high(self, counter: int) -> int:
+        """This reader's peak, given the allocated bytes' peak counter reads ``counter``."""
+        return counter if counter >= self.hidden else self.hidden
+
 
 def peaks_in(stats: dict[str, Any]) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Each statistic of torch's nested statistics that has a ``peak``, with its path: a
@@ -96,6 +100,12 @@ class _Binding:
         current = getattr(torch._C, self.read_name, None)
         return current is not None and current is self.read_wrapper
 
+    def originals(self) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+        """torch's own read and reset, wrapped or not (``None`` where torch has none)."""
+        if self.wrapped():
+            return self.read, self.reset
+        return getattr(torch._C, self.read_name, None), getattr(torch._C, self.reset_name, None)
+
 
 class PeakKeeper:
     """The peak counters of one device type's allocator, shared by the program and memsentry
@@ -125,10 +135,7 @@ class PeakKeeper:
 
     def reader(self) -> Callable[[int], dict[str, Any]] | None:
         """torch's own statistics call (unwrapped), for memsentry's reads."""
-        first = self._bindings[0]
-        if first.wrapped():
-            return first.read
-        return getattr(torch._C, first.read_name, None)
+        return self._bindings[0].originals()[0]
 
     def restart(self, index: int, account: Account) -> dict[str, Any]:
         """Reset device ``index``'s peaks for ``account``, after folding what they held into
@@ -137,9 +144,10 @@ class PeakKeeper:
         with self._lock:
             self._wrap()  # a test or library may have replaced torch's bindings since
             binding = self._bindings[0]
-            read = binding.read if binding.wrapped() else getattr(torch._C, binding.read_name)
-            reset = binding.reset if binding.wrapped() else getattr(torch._C, binding.reset_name)
-            assert read is not None and reset is not None
+            read, reset = binding.originals()
+            if read is None or reset is None:
+                raise RuntimeError(f"this torch has no torch._C.{binding.read_name} and "
+                                   f"{binding.reset_name}")
             stats = read(index)
             device = self._devices.setdefault(index, _Device())
             self._fold(device, stats, spare=account)

@@ -79,7 +79,6 @@ class Boundaries:
         self._close_cost = 0.0  # seconds the last light iteration's closing took
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
-        self._spanning = False  # the peak counter runs over boundaries passed with a count
         self._workers_read = reading_seconds()  # charged to the budget up to here
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
@@ -89,7 +88,6 @@ class Boundaries:
         if self.skip and event is strongest:
             self.skip -= 1
             self._passed += 1
-            self._spanning = True
             self._clock.index += 1
             return True
         return False
@@ -101,9 +99,10 @@ class Boundaries:
         no iteration ended at all."""
         if self._passed:
             self._budget.end_iteration(time.perf_counter() - self._clock.started, self._passed)
-            self.skip = self._passed = 0
+            self.skip = 0  # _passed stays: the closing below spans those boundaries
         if self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
             self.close(Boundary.EXIT)
+        self._passed = 0
 
     def close(self, boundary: Boundary, *, merge: bool = False) -> None:
         """Close the running iteration; with ``merge``, together with the iterations weaker
@@ -132,7 +131,8 @@ class Boundaries:
         if self._parts.due:
             self._parts.read_all()  # the step may have made optimizer state
             self._coverage.count(now, PARTS)
-        exact, self._spanning = sampler.peaks_exact() and not self._spanning, False
+        # The peak counter ran over the boundaries passed with a count: not one iteration's.
+        exact = sampler.peaks_exact() and not self._passed
         self.skip = self._passed = 0  # a stronger signal, or the end, within passed ones
         allocated = sampler.sample(step=boundary == Boundary.OPTIMIZER)
         closing = self._clock.close(boundary, allocated, sampler.backend.reserved(),
@@ -166,7 +166,7 @@ class Boundaries:
         each = seconds / (passed + 1)
         allocated = self._sampler.sample()
         # A peak counter reset where the iteration began gives its peak, hooks or none.
-        exact, self._spanning = self._sampler.peaks_exact() and not self._spanning, False
+        exact = self._sampler.peaks_exact() and not passed
         resident = self._clock.resident()  # no block count: full boundaries read it
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None,

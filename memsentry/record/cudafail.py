@@ -113,8 +113,9 @@ def _allocator(said: OomText, observed: AllocatorOom | None, reserved: int | Non
 def _outside(backend: CudaBackend, outside: OutsideText, index: int) -> Figures:
     """A failure outside the allocator: no size; the device's memory is the capacity, and the
     free memory is the driver's now (the allocator was not asked, so it told nothing)."""
-    return Figures(None, False, backend.total_memory(), free=_free_of(index),
-                   reserved=backend.reserved(), total=backend.total_memory(),
+    total = backend.total_memory()
+    return Figures(None, False, total, free=_free_of(index), reserved=backend.reserved(),
+                   total=total,
                    source=outside.source, call=outside.call)
 
 
