@@ -134,27 +134,36 @@ class LiveAlarm:
         confirmed since (:func:`confirmed`); returns the error to raise at the next boundary,
         if any."""
         new = self._confirmed(report)
-        keys = {finding_key(f) for f in report.findings}
-        if keys - self._in_file or self.rewrite_due():  # a finding the file lacks
-            self._in_file = keys
-            self.save(report)
+        self._keep_file(report)
         if not new:
             return None
         self.said.update(finding_key(f) for f in new)
         found = leak_text(report, new)
         assert found is not None
-        text = found[0]
         try:
-            if self.alarm is not None:  # it decides; on_leak is for the end
-                self.alarm(text, new)
-            elif self.on_leak == "warn":
-                self.warned.update(finding_key(f) for f in new)
-                warn_at_user_line(text)
-            elif self.on_leak == "raise":
-                self._raised = LeakError(text, new)
+            self._say(found[0], new)
         except BaseException as error:  # the callback's (or an error filter's): the loop's
             self._raised = error
         return self._raised
+
+    def _keep_file(self, report: Report) -> None:
+        """Rewrite the report file when it lacks a finding of ``report``, or is due."""
+        keys = {finding_key(f) for f in report.findings}
+        if keys - self._in_file or self.rewrite_due():  # a finding the file lacks
+            self._in_file = keys
+            self.save(report)
+
+    def _say(self, text: str, new: tuple[Finding, ...]) -> None:
+        """Say the ``new`` leaks: through the alarm when there is one (it decides; on_leak is
+        for the end), else as on_leak asks: a warning at the user's line, or a LeakError
+        left for the next boundary."""
+        if self.alarm is not None:
+            self.alarm(text, new)
+        elif self.on_leak == "warn":
+            self.warned.update(finding_key(f) for f in new)
+            warn_at_user_line(text)
+        elif self.on_leak == "raise":
+            self._raised = LeakError(text, new)
 
     def listener(self, build: Callable[[], Report], recorder: Recorder) -> Callable[[str], None]:
         """What the recorder calls after a census (``"census"``) and after each closed
@@ -173,7 +182,7 @@ class LiveAlarm:
                 recorder.raise_at_boundary = self.census_taken(report)
             else:
                 self.save(report)
-                recorder.aside(started)
+                recorder.unclocked(started)
 
         return heard
 

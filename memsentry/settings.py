@@ -13,7 +13,7 @@ import os
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from memsentry.paths import unwritable
 
@@ -60,23 +60,10 @@ class Setting:
     @property
     def accepts(self) -> str:
         """What the option takes, in words."""
-        if self.kind == "bool":
-            text = "True or False"
-        elif self.kind in ("int", "number"):
-            text = "an int" if self.kind == "int" else "a number"
-            if self.low is not None:
-                text += f" {'above' if self.above else 'of at least'} {self.low:g}"
-            if self.high is not None:
-                text += f" and at most {self.high:g}"
-        elif self.kind == "choice":
-            text = "one of " + ", ".join(map(repr, self.choices))
-        elif self.kind == "path":
-            text = "the path of a file to write (a str or os.PathLike)"
-        elif self.kind == "callable":
-            text = "a function"
-        else:
+        words = _WORDS.get(self.kind)
+        if words is None:
             return _SPECIAL[self.kind]
-        return text + (", or None" if self.optional else "")
+        return words(self) + (", or None" if self.optional else "")
 
     def check(self, value: object) -> Any:
         """``value`` as the option keeps it; a bad one raises ``TypeError`` or ``ValueError``
@@ -113,17 +100,54 @@ def writable(option: str, path: str) -> str:
     return path
 
 
-def _number(setting: Setting, value: object) -> bool:
+def _bounds_words(setting: Setting) -> str:
+    """What a number option takes, in words: ``an int of at least 2``, ``a number above 0 and
+    at most 10``."""
+    text = "an int" if setting.kind == "int" else "a number"
+    if setting.low is not None:
+        text += f" {'above' if setting.above else 'of at least'} {setting.low:g}"
+    if setting.high is not None:
+        text += f" and at most {setting.high:g}"
+    return text
+
+
+#: What each kind of option takes, in words (without ``, or None``); the kinds checked where
+#: they are used are in :data:`_SPECIAL`.
+_WORDS: dict[str, Callable[[Setting], str]] = {
+    "bool": lambda setting: "True or False",
+    "int": _bounds_words,
+    "number": _bounds_words,
+    "choice": lambda setting: "one of " + ", ".join(map(repr, setting.choices)),
+    "path": lambda setting: "the path of a file to write (a str or os.PathLike)",
+    "callable": lambda setting: "a function",
+}
+
+
+def _is_number(value: object, kind: str) -> TypeGuard[int | float]:
+    """Whether ``value`` is a finite number an option of ``kind`` (int or number) takes: not a
+    bool, an int where an int belongs."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
-    if setting.kind == "int" and not isinstance(value, int):
+    if kind == "int" and not isinstance(value, int):
         return False
-    if value != value or value in (float("inf"), float("-inf")):
-        return False
-    if setting.low is not None and (value <= setting.low if setting.above
-                                    else value < setting.low):
-        return False
-    return setting.high is None or value <= setting.high
+    return not (value != value or value in (float("inf"), float("-inf")))
+
+
+def _above_low(setting: Setting, value: float) -> bool:
+    """Whether ``value`` is at least the option's ``low`` (above it, when ``above``)."""
+    if setting.low is None:
+        return True
+    return value > setting.low if setting.above else value >= setting.low
+
+
+def _within(setting: Setting, value: float) -> bool:
+    """Whether ``value`` is within the option's bounds, ``low`` and ``high``."""
+    return _above_low(setting, value) and (setting.high is None or value <= setting.high)
+
+
+def _number(setting: Setting, value: object) -> bool:
+    """Whether an int or number option takes ``value``."""
+    return _is_number(value, setting.kind) and _within(setting, value)
 
 
 def _path(setting: Setting, value: object) -> bool:

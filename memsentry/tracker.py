@@ -186,6 +186,18 @@ class Tracker:
         self._combined: Report | None = None  # rank 0's, once every rank handed its in
 
     # -- lifecycle -----------------------------------------------------------------------
+    def _with_policy(self, **given: Any) -> Tracker:
+        """Before it starts, this tracker on another clock, tuning or judging credit
+        (:meth:`memsentry.record.Recorder.with_policy`): the seam tests give fixed facts
+        through. Returns the tracker."""
+        if self._state is not _State.NEW:
+            raise TrackerStateError("a tracker's policy is set before it starts")
+        listener = self._recorder.listener
+        self._recorder = self._recorder.with_policy(**given)
+        if listener is not None:
+            self._recorder.listener = self._live.listener(self.own_report, self._recorder)
+        return self
+
     def start(self) -> Tracker:
         """Begin tracking (what ``with`` does on entry); returns the tracker. A tracker tracks
         once: create a new one for each run."""

@@ -4,6 +4,7 @@ C++ graph keeps them, out of the reach of ``gc.collect()`` and of the holder sea
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -25,21 +26,33 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     ``grad_fn``, no Python referrer, and its own graph saved a tensor later modified in place;
     a tensor merely saved by a graph that something else keeps stays "not reached"."""
     wanted = {pointers[i]: i for i in unreached}
-    matches: list[torch.Tensor] = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and storage_pointer(obj) in wanted:
-            matches.append(obj)
-    cycles = set()
-    for tensor in matches:
-        if tensor.grad_fn is not None and not any(
-                referrer is not matches and not isinstance(referrer, FrameType)
-                for referrer in gc.get_referrers(tensor)) and _modified_in_place(tensor):
-            cycles.add(storage_pointer(tensor))
+    matches = _tensors_of(wanted)
+    cycles = {storage_pointer(tensor) for tensor in matches if _in_cycle(tensor, matches)}
     matches.clear()
     out = list(tensors)
     for key in cycles:
         out[wanted[key]] = replace(out[wanted[key]], holder=AUTOGRAD_CYCLE, grad_fn=True)
     return out
+
+
+def _tensors_of(storages: Mapping[int, int]) -> list[torch.Tensor]:
+    """The tensors the collector tracks whose storage is one of ``storages``."""
+    return [obj for obj in gc.get_objects()
+            if issubclass(type(obj), torch.Tensor) and storage_pointer(obj) in storages]
+
+
+def _in_cycle(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is kept by a cycle inside its own autograd graph: it has a
+    ``grad_fn``, no Python object refers to it (but ``matches`` and frames) and its graph
+    saved a tensor modified in place."""
+    return tensor.grad_fn is not None and not _referred(tensor, matches) \
+        and _modified_in_place(tensor)
+
+
+def _referred(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
+    """Whether a Python object other than ``matches`` and a frame refers to ``tensor``."""
+    return any(referrer is not matches and not isinstance(referrer, FrameType)
+               for referrer in gc.get_referrers(tensor))
 
 
 def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:
@@ -53,16 +66,25 @@ def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for name in dir(type(node)):
-            if name.startswith("_saved_"):
-                try:
-                    getattr(node, name)
-                except RuntimeError as error:
-                    if "inplace operation" in str(error):
-                        return True
-                except Exception:
-                    continue
+        if _saved_modified_in_place(node):
+            return True
         stack.extend(child for child, _index in node.next_functions)
+    return False
+
+
+def _saved_modified_in_place(node: Any) -> bool:
+    """Whether reading one of the autograd node's saved tensors says it was modified by an
+    in-place operation since it was saved."""
+    for name in dir(type(node)):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            getattr(node, name)
+        except RuntimeError as error:
+            if "inplace operation" in str(error):
+                return True
+        except Exception:
+            continue
     return False
 
 

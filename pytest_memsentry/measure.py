@@ -33,34 +33,31 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-from collections.abc import Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import pytest
 import torch
 
-from memsentry.census import Root, find_holders
 from memsentry.measure.allocators import support
 from memsentry.measure.peaks import CUDA_PEAKS, Account, allocated_peak
 from memsentry.measure.storage import StorageCounter
-from memsentry.model import HeldTensor, HolderKind, Location, Scope, ScopeKind, Step, StepKind
-from memsentry.units import format_bytes
 from memsentry.usercode.lines import short_path
-from pytest_memsentry.cycles import kept_by_autograd
+from pytest_memsentry.holders import list_leaked, search_notes
 from pytest_memsentry.marks import Limits
-from pytest_memsentry.results import (
-    TOP,
-    DeviceFigures,
-    LeakedTensor,
-    Measurement,
-    plural,
+from pytest_memsentry.results import DeviceFigures, Measurement
+from pytest_memsentry.storages import (
+    CPU,
+    Accounting,
+    LiveStorage,
+    Storages,
+    account,
+    cpu_figures,
+    on_device,
+    over_limit,
 )
 from pytest_memsentry.threads import ThreadWatch
 
-#: Seconds the holder search may take for all the listed tensors of one test together.
-HOLDER_BUDGET = 1.0
-#: Leaked storages, largest first, whose holders are searched for (those named are listed).
-SEARCHED = 500
 #: Reads of the allocator and the driver before a CUDA leak is believed (PyTorch's count).
 CUDA_READS = 3
 _XUNIT = {"_xunit_setup_module_fixture_": "setup_module", "_xunit_setup_class_fixture_":
@@ -142,7 +139,7 @@ def warm_up() -> None:
             torch.zeros(1).add_(1)
 
 
-# -- who holds it ----------------------------------------------------------------------------
+# -- wider-scoped fixtures -------------------------------------------------------------------
 def _fixture_label(argname: str, scope: str) -> str:
     for prefix, name in _XUNIT.items():
         if argname.startswith(prefix):
@@ -150,64 +147,31 @@ def _fixture_label(argname: str, scope: str) -> str:
     return f"fixture {argname!r} ({scope} scope)"
 
 
-def _wider_fixtures(item: pytest.Item) -> Iterator[tuple[str, str, Any]]:
-    """(name, scope, value) of the item's fixtures wider than function scope that are still
-    set up. Reads pytest's private fixture state, defensively."""
-    try:
-        definitions = item._fixtureinfo.name2fixturedefs  # type: ignore[attr-defined]
-        for name, defs in definitions.items():
-            fixturedef = defs[-1]
-            cached = fixturedef.cached_result
-            if fixturedef.scope != "function" and cached is not None and cached[2] is None:
-                yield name, fixturedef.scope, cached[0]
-    except Exception:
-        return
+@dataclass
+class _FixtureSetUp:
+    """A wider-scoped fixture being set up: the storages alive before it, each CUDA device's
+    allocated bytes before it, and what the fixtures it set up in turn added on each device
+    (theirs, not its own)."""
+
+    before: set[int]
+    cuda: dict[int, int]
+    inner: dict[int, int]
 
 
-def _root(*names: str) -> tuple[Step, ...]:
-    return (Step(StepKind.ROOT, names[0]), *(Step(StepKind.ATTRIBUTE, n) for n in names[1:]))
+class CudaStart(NamedTuple):
+    """One CUDA device read before the test's setup: the allocator's allocated bytes and the
+    driver's used memory."""
+
+    allocated: int
+    driver: int
 
 
-def holder_roots(item: pytest.Item) -> list[Root]:
-    """Where to look for what a test left behind, named as the test file spells it: the test
-    instance (pytest keeps it until the session ends), the test class's attributes, the test
-    module's globals and the wider-scoped fixtures still set up."""
-    roots: list[Root] = []
-    instance = getattr(item, "instance", None)
-    if instance is not None:
-        roots.append((_root("self"), instance, HolderKind.TEST_INSTANCE, None))
-    cls = getattr(item, "cls", None)
-    if cls is not None:
-        scope = Scope(ScopeKind.CLASS, cls.__qualname__)
-        for name, value in list(vars(cls).items()):
-            if not name.startswith("__"):
-                roots.append((_root(cls.__qualname__, name), value, HolderKind.CLASS_ATTRIBUTE,
-                              scope))
-    module = getattr(item, "module", None)
-    path = getattr(module, "__file__", None)
-    if module is not None:
-        scope = Scope(ScopeKind.SCRIPT, short_path(path)) if path \
-            else Scope(ScopeKind.MODULE, module.__name__)
-        for name, value in list(vars(module).items()):
-            if not name.startswith("__"):
-                roots.append((_root(name), value, HolderKind.GLOBAL, scope))
-    for name, fixture_scope, value in _wider_fixtures(item):
-        roots.append((_root(f"fixture {name!r}"), value, HolderKind.FIXTURE,
-                      Scope(ScopeKind.FIXTURE, fixture_scope)))
-    return roots
+class CudaReading(NamedTuple):
+    """A CUDA device's growth over the test: the allocator's (``leaked``) and, when it was
+    read again to confirm a leak, the driver's (``driver``)."""
 
-
-def _describe(held: HeldTensor) -> tuple[str, str]:
-    tensor = f"{held.dtype}[{', '.join(map(str, held.shape))}]"
-    if held.kind == HolderKind.TEST_INSTANCE:
-        where = "test instance; pytest keeps it until the session ends"
-    elif held.kind == HolderKind.FIXTURE:
-        where = f"{held.scope} fixture"
-    elif held.kind == HolderKind.GLOBAL and held.scope:
-        where = f"global in {held.scope.name}"
-    else:
-        where = str(held.kind)
-    return tensor, f"{held.name} ({where})"
+    leaked: int
+    driver: int | None
 
 
 # -- one test --------------------------------------------------------------------------------
@@ -228,10 +192,10 @@ class Window:
         self._counter: StorageCounter | None = None
         self._active = False
         self._modules: set[str] = set()
-        self._cuda_start: dict[int, tuple[int, int]] = {}
+        self._cuda_start: dict[int, CudaStart] = {}
         self._alive_fixtures: set[Any] = set()
         self._new_fixtures: set[Any] = set()
-        self._stack: list[tuple[set[int], dict[int, int], dict[int, int]]] = []
+        self._stack: list[_FixtureSetUp] = []
         self._owned: dict[int, str] = {}  # storage pointer -> the fixture that made it
         self._kept: dict[int, int] = {}  # CPU storages left behind -> bytes, after finish()
         self._threads: ThreadWatch | None = None
@@ -240,18 +204,23 @@ class Window:
         """Before setup: note the modules imported, settle and read CUDA, start counting."""
         self._modules = set(sys.modules)
         if self._cuda.ready():
-            gc.collect()
-            devices = self._cuda.devices()
-            self._cuda.settle(devices)
-            for device in devices:
-                self._cuda_start[device] = (self._cuda.allocated(device),
-                                            self._cuda.driver_used(device))
-                self._cuda.reset_peak(device)
-            self._alive_fixtures = {f for f in self._fixture_growth if _alive(f)}
+            self._read_cuda_start()
         self._counter = StorageCounter(sites=self._sites, other_devices=bool(self._cuda_start))
         self._counter.__enter__()
         self._threads = ThreadWatch(self._counter)
         self._active = True
+
+    def _read_cuda_start(self) -> None:
+        """Settle CUDA, read each device with a context and restart its peak; note the
+        wider-scoped fixtures still set up."""
+        gc.collect()
+        devices = self._cuda.devices()
+        self._cuda.settle(devices)
+        for device in devices:
+            self._cuda_start[device] = CudaStart(self._cuda.allocated(device),
+                                                 self._cuda.driver_used(device))
+            self._cuda.reset_peak(device)
+        self._alive_fixtures = {f for f in self._fixture_growth if _alive(f)}
 
     def _stop(self) -> None:
         if self._active and self._counter is not None:
@@ -264,41 +233,51 @@ class Window:
         """Stop counting without measuring (a skipped test, an interrupted run)."""
         self._stop()
 
-    def _live(self) -> dict[int, tuple[str, int, Location | None]]:
+    def _counted(self) -> StorageCounter:
         counter = self._counter
         assert counter is not None
-        live = {p: ("cpu", size, (counter.sites or {}).get(p))
-                for p, size in list(counter.live.items())}
-        live.update(counter.device_live or {})
+        return counter
+
+    def _live(self) -> dict[int, LiveStorage]:
+        """The storages made since :meth:`start` that are still alive: the CPU's, then the
+        other devices'."""
+        counter = self._counted()
+        sites = counter.sites or {}
+        live = {pointer: LiveStorage(CPU, size, sites.get(pointer))
+                for pointer, size in list(counter.live.items())}
+        live.update((pointer, LiveStorage(*entry))
+                    for pointer, entry in (counter.device_live or {}).items())
         return live
+
+    def _live_pointers(self) -> set[int]:
+        counter = self._counted()
+        return set(counter.live) | set(counter.device_live or {})
 
     # -- wider-scoped fixtures ---------------------------------------------------------------
     def fixture_starting(self) -> None:
         cuda = {d: self._cuda.allocated(d) for d in self._cuda_start}
-        self._stack.append((set(self._live()), cuda, {d: 0 for d in cuda}))
+        self._stack.append(_FixtureSetUp(self._live_pointers(), cuda, {d: 0 for d in cuda}))
 
     def fixture_done(self, fixturedef: Any) -> None:
         if not self._stack:
             return
-        before, cuda, inner = self._stack.pop()
+        setup = self._stack.pop()
         label = _fixture_label(fixturedef.argname, fixturedef.scope)
-        for pointer in set(self._live()) - before:
+        for pointer in self._live_pointers() - setup.before:
             self._owned.setdefault(pointer, label)  # nested fixtures claimed theirs first
-        total = {d: self._cuda.allocated(d) - cuda[d] for d in cuda}
+        total = {d: self._cuda.allocated(d) - setup.cuda[d] for d in setup.cuda}
         if self._stack:
             for device, grown in total.items():
-                self._stack[-1][2][device] += grown
-        if cuda:
-            self._fixture_growth[fixturedef] = {d: total[d] - inner[d] for d in cuda}
+                self._stack[-1].inner[device] += grown
+        if setup.cuda:
+            self._fixture_growth[fixturedef] = {d: total[d] - setup.inner[d] for d in setup.cuda}
             self._new_fixtures.add(fixturedef)
 
     # -- after teardown ----------------------------------------------------------------------
     def still_kept(self) -> int:
         """Bytes of the CPU storages :meth:`finish` counted as left behind that are still
         alive now (a second run of the test may have replaced them)."""
-        counter = self._counter
-        assert counter is not None
-        live = counter.live
+        live = self._counted().live
         return sum(size for pointer, size in self._kept.items() if pointer in live)
 
     def finish(self, item: pytest.Item, limits: Limits, *, judged: bool,
@@ -308,69 +287,37 @@ class Window:
         judged (it failed) gets raw figures only: its traceback keeps its frames alive, so
         there is nothing to search."""
         self._stop()
-        counter = self._counter
-        assert counter is not None
+        accounting = account(self._settled_live(judged=judged), self._owned,
+                             self._imported_files())
+        candidates = accounting.candidates
+        self._kept = {p: s.nbytes for p, s in on_device(candidates, CPU).items()}
+        devices = self._figures(accounting, limits, judged=judged)
+        over = over_limit(devices, limits)
+        if not (judged and holders and over):
+            return Measurement(tuple(devices), notes=tuple(accounting.notes))
+        listing = list_leaked(item, candidates, over)
+        notes = (*accounting.notes, *search_notes(listing))
+        return Measurement(tuple(devices), listing.tensors, listing.hidden,
+                           listing.hidden_bytes, notes)
+
+    def _settled_live(self, *, judged: bool) -> dict[int, LiveStorage]:
+        """What is still alive after teardown; for a judged test that left storages no
+        wider-scoped fixture made, after ``gc.collect()`` (what only reference cycles kept
+        is not a leak)."""
         live = self._live()
         if judged and any(p not in self._owned for p in live):
-            gc.collect()  # what only reference cycles kept is not a leak
+            gc.collect()
             live = self._live()
-        notes: list[str] = []
-        owned = [(p, v) for p, v in live.items() if p in self._owned]
-        for label in sorted({self._owned[p] for p, _v in owned}):
-            mine = [v for p, v in owned if self._owned[p] == label]
-            notes.append(f"not counted: {format_bytes(sum(v[1] for v in mine))} "
-                         f"({plural(len(mine), 'tensor')}) made by {label} while it was set "
-                         "up: the fixture keeps it until its scope ends")
-        candidates = {p: v for p, v in live.items() if p not in self._owned}
-        imported = self._imported_files()
-        once = {p: v for p, v in candidates.items() if v[2] is not None and v[2].file in imported}
-        if once:
-            notes.append(f"not counted: {format_bytes(sum(v[1] for v in once.values()))} "
-                         f"({plural(len(once), 'tensor')}) made by modules first imported "
-                         "during the test (a one-time initialisation)")
-            candidates = {p: v for p, v in candidates.items() if p not in once}
-        self._kept = {p: v[1] for p, v in candidates.items() if v[0] == "cpu"}
-        devices = [DeviceFigures(
-            "cpu", sum(v[1] for v in candidates.values() if v[0] == "cpu"), counter.peak,
-            sum(1 for v in candidates.values() if v[0] == "cpu"),
-        )]
+        return live
+
+    def _figures(self, accounting: Accounting, limits: Limits, *,
+                 judged: bool) -> list[DeviceFigures]:
+        """The CPU's figures, then each CUDA device's (when CUDA was read at the start)."""
+        devices = [cpu_figures(accounting.candidates, self._counted().peak)]
         if self._cuda_start:
-            adjust = self._cuda_adjustment(once)
-            devices += self._cuda_figures(candidates, adjust, limits, judged=judged)
-        if not (judged and holders) or not any(d.leaked > limits.max_leak for d in devices):
-            return Measurement(tuple(devices), notes=tuple(notes))
-        over = {d.device for d in devices if d.leaked > limits.max_leak}
-        ranked = sorted(((p, v) for p, v in candidates.items() if v[0] in over),
-                        key=lambda pv: -pv[1][1])
-        # One search for the largest SEARCHED storages; the listing shows those it named
-        # first, so that a small tensor a global keeps (a loss history) is not hidden behind
-        # the larger ones its graph saved.
-        searched = ranked[:SEARCHED]
-        found, complete = find_holders({p for p, _v in searched}, holder_roots(item),
-                                       budget=HOLDER_BUDGET)
-        held = {h.storage: h for h in found}
-        order = sorted(range(len(searched)), key=lambda i: searched[i][0] not in held)
-        shown = [searched[i] for i in order[:TOP]]
-        shown_pointers = {p for p, _v in shown}
-        tensors: list[LeakedTensor] = []
-        unreached = []
-        for pointer, (device, size, site) in shown:
-            holder = held.get(pointer)
-            tensor, name = _describe(holder) if holder else (None, None)
-            if holder is None:
-                unreached.append(len(tensors))
-            tensors.append(LeakedTensor(size, device, tensor, name,
-                                        str(site) if site is not None else None,
-                                        grad_fn=holder is not None and holder.grad_fn))
-        if unreached:
-            tensors = kept_by_autograd(tensors, unreached, [p for p, _v in shown])
-        if not complete:
-            notes.append(f"the holder search stopped after {HOLDER_BUDGET:g} s: some holders "
-                         "may be missing")
-        ranked = shown + [pv for pv in ranked if pv[0] not in shown_pointers]
-        hidden = ranked[TOP:]
-        return Measurement(tuple(devices), tuple(tensors), len(hidden),
-                           sum(v[1] for _p, v in hidden), tuple(notes))
+            adjust = self._cuda_adjustment(accounting.once)
+            devices += self._cuda_figures(accounting.candidates, adjust, limits, judged=judged)
+        return devices
 
     def _imported_files(self) -> set[str]:
         files = set()
@@ -380,7 +327,7 @@ class Window:
                 files.add(short_path(path))
         return files
 
-    def _cuda_adjustment(self, once: dict[int, tuple[str, int, Location | None]]) -> dict[int, int]:
+    def _cuda_adjustment(self, once: Storages) -> dict[int, int]:
         """Bytes per CUDA device the test is not answerable for: what wider-scoped fixtures set
         up in this test still hold and what first imports made (minus), and what
         wider-scoped fixtures set up before it released at its teardown (plus)."""
@@ -395,42 +342,52 @@ class Window:
             if not _alive(fixturedef):
                 for device, grown in self._fixture_growth.pop(fixturedef, {}).items():
                     adjust[device] = adjust.get(device, 0) - grown
-        for device_name, size, _site in once.values():
-            index = torch.device(device_name).index
+        for storage in once.values():
+            index = torch.device(storage.device).index
             if index is not None and index in adjust:
-                adjust[index] += size
+                adjust[index] += storage.nbytes
         return adjust
 
-    def _cuda_figures(self, candidates: dict[int, tuple[str, int, Location | None]],
-                      adjust: dict[int, int], limits: Limits, *,
+    def _cuda_figures(self, candidates: Storages, adjust: dict[int, int], limits: Limits, *,
                       judged: bool) -> list[DeviceFigures]:
-        cuda = self._cuda
-        if not cuda.ready():
+        """The figures of each CUDA device read at the start that still has a context."""
+        if not self._cuda.ready():
             return []
-        present = set(cuda.devices())
-        devices = [d for d in self._cuda_start if d in present]
-        figures = []
-        for device in devices:
-            allocated_before, driver_before = self._cuda_start[device]
-            peak = max(0, cuda.peak(device) - allocated_before)
-            leaked = cuda.allocated(device) - allocated_before - adjust[device]
-            driver = None
-            if judged and leaked > limits.max_leak:
-                for _read in range(CUDA_READS):
-                    gc.collect()
-                    cuda.settle([device])
-                    leaked = cuda.allocated(device) - allocated_before - adjust[device]
-                    driver = cuda.driver_used(device) - driver_before - adjust[device]
-                    if leaked <= limits.max_leak and driver <= limits.max_leak:
-                        break  # it was transient
-            name = f"cuda:{device}"
-            figures.append(DeviceFigures(
-                name, max(0, leaked), peak,
-                sum(1 for v in candidates.values() if v[0] == name),
-                driver=driver if leaked > limits.max_leak else None,
-                confirmed=driver is None or driver > limits.max_leak,
-            ))
-        return figures
+        present = set(self._cuda.devices())
+        return [self._device_figures(device, candidates, adjust[device], limits, judged=judged)
+                for device in self._cuda_start if device in present]
+
+    def _device_figures(self, device: int, candidates: Storages, adjust: int, limits: Limits,
+                        *, judged: bool) -> DeviceFigures:
+        """One CUDA device's figures; a judged leak is read again (:meth:`_confirm`)."""
+        before = self._cuda_start[device]
+        peak = max(0, self._cuda.peak(device) - before.allocated)
+        reading = CudaReading(self._cuda.allocated(device) - before.allocated - adjust, None)
+        if judged and reading.leaked > limits.max_leak:
+            reading = self._confirm(device, adjust, limits, reading)
+        name = f"cuda:{device}"
+        leaking = reading.leaked > limits.max_leak
+        return DeviceFigures(
+            name, max(0, reading.leaked), peak, len(on_device(candidates, name)),
+            driver=reading.driver if leaking else None,
+            confirmed=reading.driver is None or reading.driver > limits.max_leak,
+        )
+
+    def _confirm(self, device: int, adjust: int, limits: Limits, first: CudaReading
+                 ) -> CudaReading:
+        """Read the allocator and the driver again, up to :data:`CUDA_READS` times after
+        ``gc.collect()`` and settling, until neither shows a leak (it was transient)."""
+        before = self._cuda_start[device]
+        reading = first
+        for _read in range(CUDA_READS):
+            gc.collect()
+            self._cuda.settle([device])
+            leaked = self._cuda.allocated(device) - before.allocated - adjust
+            driver = self._cuda.driver_used(device) - before.driver - adjust
+            reading = CudaReading(leaked, driver)
+            if leaked <= limits.max_leak and driver <= limits.max_leak:
+                break
+        return reading
 
 
 def _alive(fixturedef: Any) -> bool:
@@ -440,4 +397,4 @@ def _alive(fixturedef: Any) -> bool:
         return False
 
 
-__all__ = ["CudaApi", "TorchCuda", "Window", "holder_roots", "warm_up"]
+__all__ = ["CudaApi", "TorchCuda", "Window", "warm_up"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 from _pytest.runner import runtestprotocol
@@ -38,6 +38,7 @@ from pytest_memsentry.repeat import Pending, run_twice
 from pytest_memsentry.results import (
     NAME,
     RETAINED,
+    Measurement,
     Repeat,
     figures_of,
     judge,
@@ -258,38 +259,20 @@ class Manager:
         """Measure after teardown and put the verdict on the call report; a test that left
         memory behind is returned, to be repeated when every test has run (unless
         ``--memsentry-strict``, which fails it now)."""
-        if any(r.skipped for r in reports):
+        outcome = outcome_of(reports)
+        if outcome is None:
             window.abort()
             return None
-        call = next((r for r in reports if r.when == "call"), None)
-        failed = next((r for r in reports if r.failed), None)
-        if call is None and failed is None:  # --setup-only
-            window.abort()
+        measurement = _measure(item, window, limits, judged=outcome.judged)
+        if measurement is None:
             return None
-        xpassed = call is not None and hasattr(call, "wasxfail")
-        judged = failed is None and not xpassed
-        try:
-            measurement = window.finish(item, limits, judged=judged)
-        except Exception as error:  # never lose the test's own result to a measuring bug
-            window.abort()
-            warnings.warn(f"memsentry could not measure {item.nodeid}: {error!r}",
-                          pytest.PytestWarning, stacklevel=1)
+        entry = Pending(item, limits, measurement, reports, outcome.target)
+        if not outcome.judged:
+            _not_judged(outcome, measurement, limits)
             return None
-        target = failed or call
-        assert target is not None
-        entry = Pending(item, limits, measurement, reports, target)
-        if judged and not self.strict and leaking(measurement, limits):
+        if not self.strict and leaking(measurement, limits):
             return entry
-        if judged:
-            self._conclude(entry, None)
-            return None
-        reason = ("the test xpassed (an expected failure)" if xpassed else
-                  "the test failed, and its traceback keeps its frames (and their "
-                  "tensors) alive")
-        detail = not_judged(measurement, limits, reason)
-        if detail is not None:
-            target.sections.append((NAME, detail))
-        target.user_properties.append((NAME, measurement.figures("not judged")))
+        self._conclude(entry, None)
         return None
 
     def _conclude(self, entry: Pending, repeat: Repeat | None) -> None:
@@ -355,6 +338,65 @@ class Manager:
         terminalreporter.write_sep("=", "memsentry report")
         for line in summary(self.results):
             terminalreporter.write_line(line)
+
+
+class Outcome(NamedTuple):
+    """What pytest's reports say of a test that ran: the report that carries memsentry's
+    verdict (the first that failed, else the call's), whether its leak is judged (it passed,
+    and was not an expected failure that passed) and whether it xpassed."""
+
+    target: pytest.TestReport
+    judged: bool
+    xpassed: bool
+
+
+def outcome_of(reports: list[pytest.TestReport]) -> Outcome | None:
+    """The test's :class:`Outcome`; ``None`` for a test that is not checked: skipped, or
+    only set up (``--setup-only``)."""
+    if any(r.skipped for r in reports):
+        return None
+    call = _call_report(reports)
+    failed = _failed_report(reports)
+    target = failed or call
+    if target is None:
+        return None
+    xpassed = call is not None and hasattr(call, "wasxfail")
+    return Outcome(target, failed is None and not xpassed, xpassed)
+
+
+def _call_report(reports: list[pytest.TestReport]) -> pytest.TestReport | None:
+    return next((r for r in reports if r.when == "call"), None)
+
+
+def _failed_report(reports: list[pytest.TestReport]) -> pytest.TestReport | None:
+    """The first report that failed (setup, call or teardown), or ``None``."""
+    return next((r for r in reports if r.failed), None)
+
+
+def _measure(item: pytest.Item, window: Window | HeapCheck, limits: Limits, *,
+             judged: bool) -> Measurement | None:
+    """The window's measurement, or ``None`` with a warning when measuring failed: a
+    measuring bug never loses the test's own result."""
+    try:
+        return window.finish(item, limits, judged=judged)
+    except Exception as error:
+        window.abort()
+        warnings.warn(f"memsentry could not measure {item.nodeid}: {error!r}",
+                      pytest.PytestWarning, stacklevel=1)
+        return None
+
+
+def _not_judged(outcome: Outcome, measurement: Measurement, limits: Limits) -> None:
+    """A test that failed for its own reason (or xpassed): its figures, and the memory still
+    allocated above the limit said not judged, and why."""
+    target = outcome.target
+    reason = ("the test xpassed (an expected failure)" if outcome.xpassed else
+              "the test failed, and its traceback keeps its frames (and their "
+              "tensors) alive")
+    detail = not_judged(measurement, limits, reason)
+    if detail is not None:
+        target.sections.append((NAME, detail))
+    target.user_properties.append((NAME, measurement.figures("not judged")))
 
 
 def _log(item: pytest.Item, reports: list[pytest.TestReport]) -> None:

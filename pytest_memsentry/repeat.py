@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import pytest
 from _pytest.runner import runtestprotocol
@@ -45,6 +45,14 @@ class Pending:
     target: pytest.TestReport
 
 
+class Rerun(NamedTuple):
+    """One more run of the test: its window (which still counts what that run kept) and its
+    measurement."""
+
+    window: Window | HeapCheck
+    measurement: Measurement
+
+
 class Measuring(Protocol):
     """What the repeats need from the plugin: the CUDA calls, the fixtures' CUDA record, the
     window that wider-scoped fixtures set up during a run report to, and the session's garbage
@@ -56,48 +64,68 @@ class Measuring(Protocol):
     window: Window | HeapCheck | None
 
 
-def _run(entry: Pending, plugin: Measuring, *, holders: bool = False, heap: bool = False
-         ) -> tuple[Window | HeapCheck, Measurement] | str:
-    """One more run of the test, its storages counted (with ``heap``, only the heap's growth
-    read); or why it could not be."""
+def _window(plugin: Measuring, *, holders: bool, heap: bool) -> Window | HeapCheck:
+    """A new window for one more run: the heap check with ``heap``, else storages counted
+    (with the line of each with ``holders``)."""
     from pytest_memsentry.heap import HeapCheck
     from pytest_memsentry.measure import TorchCuda, Window, warm_up
 
-    window: Window | HeapCheck
     if heap:
-        window = HeapCheck(plugin.collector)
-    else:
-        warm_up()
-        # Only the run whose figures the verdict shows needs each storage's line: without
-        # it an op costs about a third less.
-        window = Window(plugin.cuda or TorchCuda(), plugin.fixture_growth, sites=holders)
-    try:
-        window.start()
-    except Exception as error:
-        window.abort()
-        return f"measuring it failed: {error!r}"
+        return HeapCheck(plugin.collector)
+    warm_up()
+    # Only the run whose figures the verdict shows needs each storage's line: without
+    # it an op costs about a third less.
+    return Window(plugin.cuda or TorchCuda(), plugin.fixture_growth, sites=holders)
+
+
+def _protocol(entry: Pending, plugin: Measuring, window: Window | HeapCheck
+              ) -> list[pytest.TestReport]:
+    """Run the test's protocol once more with ``window`` as the plugin's window."""
     plugin.window = window
     try:
         # Torn down as if the next test were a sibling: the function's fixtures go, those of
         # the class, module and session stay for the next run.
-        reports = runtestprotocol(entry.item, nextitem=entry.item.parent,  # type: ignore[arg-type]
-                                  log=False)
+        return runtestprotocol(entry.item, nextitem=entry.item.parent,  # type: ignore[arg-type]
+                               log=False)
     except BaseException:
         window.abort()
         raise
     finally:
         plugin.window = None
+
+
+def _not_rerun(reports: list[pytest.TestReport]) -> str | None:
+    """Why the run does not count (its setup or teardown failed, or it was skipped), or
+    ``None``: a call that failed still counts."""
     bad = next((r for r in reports if (r.failed and r.when != "call") or r.skipped), None)
-    if bad is not None:
-        window.abort()
-        return f"its {bad.when} {bad.outcome} when it was run again"
-    # A test that asserts on the state it grows (``assert len(history) == 4``) fails when it
-    # is repeated; what it kept still counts. pytest keeps the failure's traceback (and with
-    # it the test's frames) in ``sys.last_*``: dropped first, so those frames are not counted.
+    return None if bad is None else f"its {bad.when} {bad.outcome} when it was run again"
+
+
+def _forget_last_failure() -> None:
+    """A test that asserts on the state it grows (``assert len(history) == 4``) fails when it
+    is repeated; what it kept still counts. pytest keeps the failure's traceback (and with
+    it the test's frames) in ``sys.last_*``: dropped first, so those frames are not counted."""
     for name in ("last_exc", "last_value", "last_traceback", "last_type"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    return window, window.finish(entry.item, entry.limits, judged=True, holders=holders)
+
+
+def _run(entry: Pending, plugin: Measuring, *, holders: bool = False, heap: bool = False
+         ) -> Rerun | str:
+    """One more run of the test, its storages counted (with ``heap``, only the heap's growth
+    read); or why it could not be."""
+    window = _window(plugin, holders=holders, heap=heap)
+    try:
+        window.start()
+    except Exception as error:
+        window.abort()
+        return f"measuring it failed: {error!r}"
+    reason = _not_rerun(_protocol(entry, plugin, window))
+    if reason is not None:
+        window.abort()
+        return reason
+    _forget_last_failure()
+    return Rerun(window, window.finish(entry.item, entry.limits, judged=True, holders=holders))
 
 
 def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
@@ -113,29 +141,45 @@ def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
 def _twice(entry: Pending, plugin: Measuring) -> Repeat:
     heap = entry.measurement.heap
     if heap:  # first a second look at the heap, at no cost to the test's ops
-        again = _run(entry, plugin, heap=True)
-        if isinstance(again, str):
-            return Repeat({}, again)
-        if not leaking(again[1], entry.limits):
-            return Repeat({"cpu": 0})  # the heap grew on the first run only
+        settled = _heap_again(entry, plugin)
+        if settled is not None:
+            return settled
     first = _run(entry, plugin, holders=heap)
     if isinstance(first, str):
         return Repeat({}, first)
-    window, before = first
+    before = first.measurement
     if heap:  # the heap check only suspected it: the verdict is on counted storages
         entry.measurement = replace(before, notes=(*entry.measurement.notes, *before.notes))
     second = _run(entry, plugin)
     if isinstance(second, str):
         return Repeat({}, second)
-    _window, after = second
+    return Repeat(growth(before, second.measurement, first.window.still_kept()))
+
+
+def _heap_again(entry: Pending, plugin: Measuring) -> Repeat | None:
+    """A second look at the heap only: the verdict when it settles the question (it could not
+    be run, or the heap grew on the first run only), else ``None``."""
+    again = _run(entry, plugin, heap=True)
+    if isinstance(again, str):
+        return Repeat({}, again)
+    if not leaking(again.measurement, entry.limits):
+        return Repeat({"cpu": 0})  # the heap grew on the first run only
+    return None
+
+
+def growth(before: Measurement, after: Measurement, still_kept: int) -> dict[str, int]:
+    """Per device, what the run measured in ``after`` kept beyond the one measured in
+    ``before``: on the CPU, what the second run left less the part of what the first run left
+    that the second freed (``still_kept``: the bytes of the first run's storages still alive);
+    on CUDA the allocator's figure, already the net change."""
     left = {f.device: f.leaked for f in before.devices}
     grown = {}
     for figures in after.devices:
         if figures.device == "cpu":
-            grown["cpu"] = figures.leaked - (left.get("cpu", 0) - window.still_kept())
-        else:  # the allocator's figure is already the net change
+            grown["cpu"] = figures.leaked - (left.get("cpu", 0) - still_kept)
+        else:
             grown[figures.device] = figures.leaked
-    return Repeat(grown)
+    return grown
 
 
 def tear_down(session: pytest.Session) -> None:

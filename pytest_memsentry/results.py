@@ -1,18 +1,18 @@
-"""What one test's measurement found, the verdict on it, and the end-of-run table: plain values
-and text, no torch, no pytest state (the plugin measures; this module judges and formats)."""
+"""The verdict on what one test's measurement found (:mod:`pytest_memsentry.measurement`, whose
+values this module gives too), and the end-of-run table: plain values and text, no torch, no
+pytest state (the plugin measures; this module judges and formats)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from memsentry.units import format_bytes, parse_size
 from pytest_memsentry.marks import Limits
+from pytest_memsentry.measurement import TOP, DeviceFigures, LeakedTensor, Measurement, Repeat
 
-#: Leaked tensors listed in a failure's section; the rest are counted.
-TOP = 10
 #: The name of the report section and of the ``user_properties`` entry.
 NAME = "memsentry"
 #: The ``user_properties`` entry of a test that retained memory once: its one-line verdict.
@@ -53,80 +53,6 @@ PEAK_FIX = (
     "fix: allocate less at once (smaller inputs, free intermediates sooner, torch.no_grad() "
     "where no backward follows), or allow it: @pytest.mark.memsentry(max_peak={allow!r})"
 )
-
-
-@dataclass(frozen=True)
-class LeakedTensor:
-    """A storage the test created that is still alive after it: its size and device, the
-    tensor that holds it (``float32[512, 1024]``) and who holds that tensor (``None`` when
-    the holder search did not reach it), the line that created it, and whether that tensor
-    carries an autograd graph (``grad_fn``)."""
-
-    bytes: int
-    device: str
-    tensor: str | None
-    holder: str | None
-    site: str | None
-    grad_fn: bool = False
-
-
-@dataclass(frozen=True)
-class DeviceFigures:
-    """One device's figures for one test, in bytes above what was allocated before its setup.
-
-    ``leaked``: still allocated after the test (after its teardown and ``gc.collect()``), less
-    what wider-scoped fixtures and one-time imports made. ``peak``: the most allocated at once
-    while the test, its fixtures and their teardown ran. ``tensors``: how many storages make up
-    ``leaked``. CUDA only: ``driver``, the growth of the device memory the driver reports used;
-    ``confirmed``, whether the driver saw the leak too (unconfirmed leaks warn, not fail).
-    """
-
-    device: str
-    leaked: int
-    peak: int
-    tensors: int
-    driver: int | None = None
-    confirmed: bool = True
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """Everything measured for one test: per-device figures, the largest leaked tensors (at
-    most :data:`TOP`; ``hidden`` more were not listed) and what was left out and why.
-    ``heap``: the figures are the heap check's (:mod:`pytest_memsentry.heap`)."""
-
-    devices: tuple[DeviceFigures, ...]
-    tensors: tuple[LeakedTensor, ...] = ()
-    hidden: int = 0
-    hidden_bytes: int = 0
-    notes: tuple[str, ...] = ()
-    heap: bool = False  # from the heap check: growth of all allocations, no tensors, no peak
-
-    def figures(self, verdict: str) -> dict[str, Any]:
-        """The figures carried on the test's report (``user_properties``), plain data so that
-        pytest-xdist can ship them to the controller for ``--memsentry-report``."""
-        return {
-            "verdict": verdict,
-            "devices": {d.device: {"leaked": d.leaked, "peak": d.peak} for d in self.devices},
-        }
-
-
-@dataclass(frozen=True)
-class Repeat:
-    """A flagged test run a second time: per device, the bytes the second run kept beyond
-    what the first run had left (``grown``), or why it could not be run again (``error``)."""
-
-    grown: dict[str, int]
-    error: str | None = None
-
-    def grows(self, device: str, limits: Limits) -> bool:
-        return self.error is None and self.grown.get(device, 0) > limits.max_leak
-
-    def figures(self) -> str:
-        if self.error is not None:
-            return self.error
-        grown = {d: b for d, b in self.grown.items() if b > 0} or {"cpu": 0}
-        return ", ".join(f"{format_bytes(b)} more on {d}" for d, b in grown.items())
 
 
 @dataclass(frozen=True)
@@ -193,31 +119,36 @@ def _device_line(figures: DeviceFigures, limits: Limits) -> str:
     return line
 
 
+def _held_by(tensor: LeakedTensor, unreached: str) -> str:
+    """The table's "held by" cell: the holder (with its graph), or ``unreached``."""
+    if tensor.holder is None:
+        return unreached
+    named = tensor.holder != AUTOGRAD_CYCLE
+    return f"{tensor.holder}, with grad_fn" if tensor.grad_fn and named else tensor.holder
+
+
 def _tensor_table(measurement: Measurement, devices: set[str]) -> list[str]:
     rows = [t for t in measurement.tensors if t.device in devices]
     if not rows:
         return []
     from tabulate import tabulate
 
-    unreached = UNREACHED_WITH_GRAPHS if any(t.grad_fn for t in rows) else UNREACHED
     rows.sort(key=lambda t: (-t.bytes, t.holder is None, t.holder or ""))
-
-    def held_by(t: LeakedTensor) -> str:
-        if t.holder is None:
-            return unreached
-        named = t.holder != AUTOGRAD_CYCLE
-        return f"{t.holder}, with grad_fn" if t.grad_fn and named else t.holder
-
     table = tabulate(
-        [[format_bytes(t.bytes), t.tensor or "?", t.device, held_by(t), t.site or "?"]
-         for t in rows],
-        headers=["bytes", "tensor", "device", "held by", "allocated at"],
+        _table_cells(rows), headers=["bytes", "tensor", "device", "held by", "allocated at"],
         tablefmt="simple", disable_numparse=True, colalign=("right",),
     )
     lines = ["still alive after the test's teardown and gc.collect(), largest first:", table]
     if measurement.hidden:
         lines.append(f"and {measurement.hidden} more ({format_bytes(measurement.hidden_bytes)})")
     return lines
+
+
+def _table_cells(rows: list[LeakedTensor]) -> list[list[str]]:
+    """The cells of the table's rows; those not reached say why they may not have been."""
+    unreached = UNREACHED_WITH_GRAPHS if any(t.grad_fn for t in rows) else UNREACHED
+    return [[format_bytes(t.bytes), t.tensor or "?", t.device, _held_by(t, unreached),
+             t.site or "?"] for t in rows]
 
 
 def leaking(measurement: Measurement, limits: Limits) -> bool:
@@ -236,32 +167,81 @@ def judge(measurement: Measurement, limits: Limits,
     ``"retained"``, which does not fail the test, and only where there is something to look
     at (:func:`evidence`): the heap's growth alone is dropped. Without ``repeat``
     (``--memsentry-strict``) every leak fails."""
-    leaked, clauses, warnings = _leaks(measurement, limits)
-    grew = [f for f in leaked if repeat is None or repeat.grows(f.device, limits)]
-    if repeat is not None and not grew:
-        leaked = [f for f in leaked if evidence(measurement, f.device)]
-        clauses = [_leak_clause(f, limits).replace(" leaked on ", " retained on ", 1)
-                   for f in leaked]
-        if clauses:
-            clauses[-1] += f" ({_pointers(measurement)})"
-    elif repeat is not None and repeat.error is None:
-        clauses.append(f"run again, it kept {repeat.figures()}: it grows with every run")
+    leaks = _leak_verdict(measurement, limits, repeat)
     peaked = [f for f in measurement.devices if _peaking(f, limits)]
-    for figures in peaked:
-        clauses.append(f"peak {format_bytes(figures.peak)} on {figures.device} above the "
-                       f"limit of {format_bytes(limits.max_peak)} (max_peak)")
+    clauses = [*leaks.clauses, *(_peak_clause(f, limits) for f in peaked)]
     if not clauses:
-        return None, warnings
-    lines = [_device_line(f, limits) for f in measurement.devices]
-    lines += _tensor_table(measurement, {f.device for f in leaked})
-    lines += measurement.notes
-    lines += _notes(measurement, limits, leaked, peaked, repeat if not grew else None)
+        return None, leaks.warnings
     check = Check(
-        status="leaked" if grew else "peak" if peaked else "retained",
+        status=_status(leaks, peaked),
         long_repr=f"{NAME}: " + "; ".join(clauses),
-        section="\n".join(lines),
+        section="\n".join(_section(measurement, limits, leaks, peaked, repeat)),
     )
-    return check, warnings
+    return check, leaks.warnings
+
+
+class Leaks(NamedTuple):
+    """What a test kept beyond ``max_leak``: the devices the verdict names (``leaked``), those
+    that kept more again when the test was repeated (``grew``: all of them without a repeat),
+    a clause of the one-line verdict for each, and warnings for CUDA allocator growth the
+    driver did not confirm."""
+
+    leaked: list[DeviceFigures]
+    grew: list[DeviceFigures]
+    clauses: list[str]
+    warnings: list[str]
+
+
+def _leak_verdict(measurement: Measurement, limits: Limits, repeat: Repeat | None) -> Leaks:
+    """The leaks a verdict names: without ``repeat`` every leak; with it, growth where the
+    second run kept more again, else memory retained once where there is something to look
+    at."""
+    leaks = _leaks(measurement, limits)
+    if repeat is None:
+        return leaks
+    grew = [f for f in leaks.leaked if repeat.grows(f.device, limits)]
+    if not grew:
+        retained = [f for f in leaks.leaked if evidence(measurement, f.device)]
+        return Leaks(retained, grew, _retained_clauses(measurement, retained, limits),
+                     leaks.warnings)
+    clauses = leaks.clauses
+    if repeat.error is None:
+        clauses = [*clauses, f"run again, it kept {repeat.figures()}: it grows with every run"]
+    return leaks._replace(grew=grew, clauses=clauses)
+
+
+def _retained_clauses(measurement: Measurement, retained: list[DeviceFigures],
+                      limits: Limits) -> list[str]:
+    """A clause per device that retained memory once; the last says where to look."""
+    clauses = [_leak_clause(f, limits).replace(" leaked on ", " retained on ", 1)
+               for f in retained]
+    if clauses:
+        clauses[-1] += f" ({_pointers(measurement)})"
+    return clauses
+
+
+def _peak_clause(figures: DeviceFigures, limits: Limits) -> str:
+    return (f"peak {format_bytes(figures.peak)} on {figures.device} above the "
+            f"limit of {format_bytes(limits.max_peak)} (max_peak)")
+
+
+def _status(leaks: Leaks, peaked: list[DeviceFigures]) -> str:
+    """What failed: ``"leaked"`` (it grows), ``"peak"``, or ``"retained"`` (kept once)."""
+    if leaks.grew:
+        return "leaked"
+    return "peak" if peaked else "retained"
+
+
+def _section(measurement: Measurement, limits: Limits, leaks: Leaks,
+             peaked: list[DeviceFigures], repeat: Repeat | None) -> list[str]:
+    """The lines of the report section: each device's figures, the table of the leaked
+    tensors, the measurement's notes, then what they mean and the fixes."""
+    lines = [_device_line(f, limits) for f in measurement.devices]
+    lines += _tensor_table(measurement, {f.device for f in leaks.leaked})
+    lines += measurement.notes
+    lines += _notes(measurement, limits, leaks.leaked, peaked,
+                    repeat if not leaks.grew else None)
+    return lines
 
 
 def evidence(measurement: Measurement, device: str) -> bool:
@@ -282,45 +262,55 @@ def _pointers(measurement: Measurement) -> str:
     return "allocated at " + ", ".join(sites) if sites else "held by nothing memsentry reached"
 
 
-def _leaks(measurement: Measurement, limits: Limits
-           ) -> tuple[list[DeviceFigures], list[str], list[str]]:
-    """The devices that kept more than the limit, a clause for each, and warnings for CUDA
-    allocator growth the driver did not confirm."""
-    leaked, clauses, warnings = [], [], []
-    for figures in measurement.devices:
-        if not _leaking(figures, limits):
-            continue
-        if figures.confirmed:
-            leaked.append(figures)
-            clauses.append(_leak_clause(figures, limits))
-        else:
-            warnings.append(
-                f"memsentry: the CUDA caching allocator holds {format_bytes(figures.leaked)} "
-                f"more on {figures.device} after the test ({_limit(limits.max_leak)}), but the "
-                f"driver's used memory grew by {format_bytes(figures.driver or 0)}, so the leak "
-                "was not confirmed and the test was not failed; if it repeats, look for "
-                "tensors the test keeps"
-            )
-    return leaked, clauses, warnings
+def _leaks(measurement: Measurement, limits: Limits) -> Leaks:
+    """The devices that kept more than the limit (all of them grew: no repeat told
+    otherwise), a clause for each, and warnings for CUDA allocator growth the driver did not
+    confirm."""
+    over = [f for f in measurement.devices if _leaking(f, limits)]
+    leaked = [f for f in over if f.confirmed]
+    return Leaks(leaked, leaked, [_leak_clause(f, limits) for f in leaked],
+                 [_unconfirmed_warning(f, limits) for f in over if not f.confirmed])
+
+
+def _unconfirmed_warning(figures: DeviceFigures, limits: Limits) -> str:
+    return (
+        f"memsentry: the CUDA caching allocator holds {format_bytes(figures.leaked)} "
+        f"more on {figures.device} after the test ({_limit(limits.max_leak)}), but the "
+        f"driver's used memory grew by {format_bytes(figures.driver or 0)}, so the leak "
+        "was not confirmed and the test was not failed; if it repeats, look for "
+        "tensors the test keeps"
+    )
 
 
 def _notes(measurement: Measurement, limits: Limits, leaked: list[DeviceFigures],
            peaked: list[DeviceFigures], retained: Repeat | None) -> list[str]:
     """What the kept tensors mean and the fixes (``retained``: the second run that kept no
     more)."""
-    lines = []
-    if any(t.holder == AUTOGRAD_CYCLE for t in measurement.tensors):
-        lines.append(CYCLE_NOTE)
-    if any(t.grad_fn and t.holder != AUTOGRAD_CYCLE for t in measurement.tensors):
-        lines.append(GRAPH_NOTE)
+    lines = _graph_notes(measurement)
     if leaked and retained is not None:
-        lines.append(RETAINED_NOTE.format(again=retained.figures()) if retained.error is None
-                     else UNREPEATED_NOTE.format(error=retained.error))
+        lines.append(_retained_note(retained))
     if leaked:
         lines.append(LEAK_FIX.format(allow=allowance(max(f.leaked for f in leaked))))
     if peaked:
         lines.append(PEAK_FIX.format(allow=allowance(max(f.peak for f in peaked))))
     return lines
+
+
+def _graph_notes(measurement: Measurement) -> list[str]:
+    """The notes on kept autograd graphs: a cycle inside one, a tensor that keeps one."""
+    lines = []
+    if any(t.holder == AUTOGRAD_CYCLE for t in measurement.tensors):
+        lines.append(CYCLE_NOTE)
+    if any(t.grad_fn and t.holder != AUTOGRAD_CYCLE for t in measurement.tensors):
+        lines.append(GRAPH_NOTE)
+    return lines
+
+
+def _retained_note(retained: Repeat) -> str:
+    """Why memory retained once did not fail the test (or why it could not be told)."""
+    if retained.error is None:
+        return RETAINED_NOTE.format(again=retained.figures())
+    return UNREPEATED_NOTE.format(error=retained.error)
 
 
 def not_judged(measurement: Measurement, limits: Limits, reason: str) -> str | None:
@@ -367,34 +357,51 @@ def retained_summary(entries: list[tuple[str, str]]) -> list[str]:
     return lines
 
 
+class SummaryRow(NamedTuple):
+    """A row of the ``--memsentry-report`` table: one test on one device."""
+
+    test: str
+    device: str
+    leaked: int
+    peak: int
+    verdict: str
+
+
+def _summary_rows(entries: list[tuple[str, Mapping[str, Any]]]) -> list[SummaryRow]:
+    return [SummaryRow(nodeid, device, values["leaked"], values["peak"], figures["verdict"])
+            for nodeid, figures in entries
+            for device, values in figures["devices"].items()]
+
+
+def _summary_table(title: str, chosen: list[SummaryRow]) -> list[str]:
+    """The ``title`` line and the table of ``chosen`` (``none`` when there is no row)."""
+    if not chosen:
+        return [f"{title}: none"]
+    from tabulate import tabulate
+
+    table = tabulate(
+        [[r.test, r.device, format_bytes(r.leaked), format_bytes(r.peak), r.verdict]
+         for r in chosen],
+        headers=["test", "device", "leaked", "peak", "verdict"], tablefmt="simple",
+        disable_numparse=True, colalign=("left", "left", "right", "right", "left"),
+    )
+    return [f"{title}:", table]
+
+
 def summary(entries: list[tuple[str, Mapping[str, Any]]], top: int = TOP) -> list[str]:
     """The ``--memsentry-report`` text: the tests with the largest leaks and the largest peaks
     (``top`` of each), one row per test and device."""
     if not entries:
         return ["no test was measured: run with --memsentry, or mark tests with "
                 "@pytest.mark.memsentry (tests are measured once torch is imported)"]
-    rows = [(nodeid, device, values["leaked"], values["peak"], figures["verdict"])
-            for nodeid, figures in entries
-            for device, values in figures["devices"].items()]
-    from tabulate import tabulate
-
-    headers = ["test", "device", "leaked", "peak", "verdict"]
-    lines = []
-    leaks = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    rows = _summary_rows(entries)
+    leaks = sorted((r for r in rows if r.leaked > 0), key=lambda r: -r.leaked)
     failed = sum(1 for _nodeid, figures in entries if figures["verdict"] in ("leaked", "peak"))
-    lines.append(f"{plural(len(entries), 'test')} measured, {failed} failed the check")
-    for title, chosen in (("largest leaks", leaks[:top]),
-                          ("largest peaks", sorted(rows, key=lambda r: -r[3])[:top])):
-        if not chosen:
-            lines.append(f"{title}: none")
-            continue
-        lines.append(f"{title}:")
-        lines.append(tabulate(
-            [[r[0], r[1], format_bytes(r[2]), format_bytes(r[3]), r[4]] for r in chosen],
-            headers=headers, tablefmt="simple", disable_numparse=True,
-            colalign=("left", "left", "right", "right", "left"),
-        ))
-    return lines
+    return [
+        f"{plural(len(entries), 'test')} measured, {failed} failed the check",
+        *_summary_table("largest leaks", leaks[:top]),
+        *_summary_table("largest peaks", sorted(rows, key=lambda r: -r.peak)[:top]),
+    ]
 
 
 __all__ = [

@@ -39,32 +39,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _every_call_measured(request: pytest.FixtureRequest,
                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests judge memory and behaviour, not timing: how much of the loop's time measuring
-    takes depends on the machine's load, so outside the tests of memsentry's cost budget
-    (marked ``in_turn``) the time below which every call is measured, the iterations always
-    sampled (and the time they may spend measuring) and the censuses' credit are raised out
-    of reach: every iteration is sampled and measured in full, every census taken when due.
-    """
-    if request.node.get_closest_marker("in_turn") is None:
-        from memsentry.record import budget, coverage
+    """For now (issue 40, item 2 is not done): outside the tests marked ``default_policy``,
+    trackers run with :data:`seams.MEASURE_ALL` as their tuning and a judging credit out of
+    reach, so every iteration is sampled and measured in full and every census taken when
+    due, whatever the machine's load. The tests marked ``default_policy`` (the budget's, the
+    window's, the policy's) run the default tuning on a fake clock (tests/seams.py). 71 other
+    tests fail under the default policy on a loaded machine; each is to pass ``overhead=None``
+    (it checks figures) or a fake clock (it checks a verdict), and then this goes."""
+    if request.node.get_closest_marker("default_policy") is None:
+        from seams import MEASURE_ALL
 
-        monkeypatch.setattr(coverage, "FLOOR", 3600.0)
-        monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
-        monkeypatch.setattr(budget, "FIRST_FLOOR", 3600.0)
-        monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
+        from memsentry.record import budget, policy
+
+        monkeypatch.setattr(policy, "DEFAULT", MEASURE_ALL)
         monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
-
-
-@pytest.fixture
-def ample_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For the tests of the window of layers measured in turn: the whole budget's credit out
-    of reach, so that every iteration is sampled and only the window thins measuring."""
-    from memsentry.record import budget
-
-    monkeypatch.setattr(budget, "SAMPLED_FIRST", 1 << 60)
-    monkeypatch.setattr(budget, "FIRST_FLOOR", 3600.0)
-    monkeypatch.setattr(budget, "STARTUP_CREDIT", 1e9)
-    monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
 
 
 def optimizer_post_hooks() -> list[int]:

@@ -5,36 +5,32 @@ the results stay bit for bit what they were, and the report says what was thinne
 from __future__ import annotations
 
 import json
-import time
-import types
+from dataclasses import replace
 
 import pytest
 import torch
+from fake_clock import FakeClock
+from seams import tracked
 from test_coverage import make_model, train
 from torch import nn
 from torch.nn.modules import module as module_globals
 
 import memsentry
 from memsentry.record import budget as budget_module
-from memsentry.record.budget import Budget
+from memsentry.record.budget import Budget, Untracked
+from memsentry.record.policy import DEFAULT
 
-pytestmark = pytest.mark.in_turn  # these tests keep the budget's timing
-
-
-@pytest.fixture
-def no_credit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The time before tracking counts nothing: the budget is the loop's own time only."""
-    monkeypatch.setattr(budget_module.UNTRACKED, "begin", lambda: 0.0)
+pytestmark = pytest.mark.default_policy  # the default tuning, on fake clocks
 
 
-def test_a_loop_over_its_budget_runs_light_with_bitwise_results(no_credit: None) -> None:
+def test_a_loop_over_its_budget_runs_light_with_bitwise_results() -> None:
     plain_model = make_model()
     plain = train(plain_model, 30)
     model = make_model()
     hooked: list[int] = []
-    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
-        tracked = train(model, 30, watch=hooked)
-    assert plain == tracked
+    with tracked(model, overhead=1e-6, on_leak="ignore", credit=0.0) as t:
+        losses = train(model, 30, watch=hooked)
+    assert plain == losses
     assert all(torch.equal(a, b) for a, b in
                zip(plain_model.state_dict().values(), model.state_dict().values(), strict=True))
     report = t.report()
@@ -54,11 +50,11 @@ def test_a_loop_over_its_budget_runs_light_with_bitwise_results(no_credit: None)
     assert not [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
 
 
-def test_global_hooks_come_off_in_light_iterations(no_credit: None) -> None:
+def test_global_hooks_come_off_in_light_iterations() -> None:
     model = make_model()
     before = len(module_globals._global_forward_pre_hooks)
     hooked: list[int] = []
-    with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
+    with tracked(overhead=1e-6, on_leak="ignore", credit=0.0) as t:
         train(model, 12, watch=hooked)
     assert hooked[0] == before + 1  # the first iterations are measured
     assert hooked[-1] == before  # then nothing of memsentry's runs at module calls
@@ -78,10 +74,10 @@ def test_without_a_limit_every_iteration_is_sampled() -> None:
     assert not any("budget" in n for n in report.notes)
 
 
-def test_censuses_after_the_first_seven_wait_for_the_budget(no_credit: None) -> None:
+def test_censuses_after_the_first_seven_wait_for_the_budget() -> None:
     model = make_model()
     kept: list[torch.Tensor] = []
-    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+    with tracked(model, overhead=1e-6, on_leak="ignore", credit=0.0) as t:
         train(model, 70, kept=kept)
     report = t.report()
     # Iterations 2 to 34 are searched whatever the budget (they decide a short run's
@@ -93,15 +89,18 @@ def test_censuses_after_the_first_seven_wait_for_the_budget(no_credit: None) -> 
     assert [f.rule for f in leaks] == ["tensor-accumulation"] and "`kept`" in leaks[0].message
 
 
-def test_the_ledger_keeps_memsentry_near_its_share(no_credit: None) -> None:
+def test_the_ledger_keeps_memsentry_near_its_share() -> None:
     # A loop of small steps, where measuring every layer costs several times the step: the
     # ledger's own time over the loop's stays near the budget (it was 2.5x the loop before
-    # the budget covered everything).
+    # the budget covered everything). On a clock where each of memsentry's readings takes
+    # 10 us and the loop's own work 100 us a step, whatever the machine's load.
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
-    with memsentry.track(model, overhead=0.05, on_leak="ignore") as t:
+    clock = FakeClock(tick=1e-5)
+    with tracked(model, overhead=0.05, on_leak="ignore", credit=0.0, clock=clock) as t:
         for _ in range(600):
+            clock.advance(1e-4)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -121,7 +120,7 @@ def test_the_ledger_keeps_memsentry_near_its_share(no_credit: None) -> None:
 
 
 def test_the_budget_pays_for_a_sampled_iteration_only_when_it_can() -> None:
-    budget = Budget(0.1, credit=0.0)
+    budget = Budget(0.1, credit=0.0, clock=FakeClock())
     for _ in range(3):  # the first iterations are sampled whatever they cost
         assert not budget.light
         budget.charge(budget_module.HOOKS, 0.004)
@@ -138,24 +137,24 @@ def test_the_budget_pays_for_a_sampled_iteration_only_when_it_can() -> None:
     assert budget.cost().sampled == 3 and budget.cost().iterations == 3 + light
 
 
-def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_untracked_time_before_is_credited_once() -> None:
     # A program's start is part of its wall time: 5% of it (of 10 s at most) pays for the
     # first censuses (measuring never spends it). A second tracker started right after the first
     # ended finds almost no untracked time; one nested in a running tracker finds none.
-    untracked = budget_module._Untracked()
-    monkeypatch.setattr(budget_module, "UNTRACKED", untracked)
-    monkeypatch.setattr(budget_module, "process_age", lambda: 3.0)
-    first = Budget(0.05)
+    wall = FakeClock()
+    untracked = Untracked(age=lambda: 3.0, clock=wall)  # the process started 3 s ago
+    first = Budget(0.05, untracked=untracked)
     first.open()
     assert first.credit == pytest.approx(0.15)
-    nested = Budget(0.05)
+    nested = Budget(0.05, untracked=untracked)
     nested.open()
     assert nested.credit == 0.0
     nested.close()
     first.close()
-    again = Budget(0.05)
+    wall.advance(0.1)
+    again = Budget(0.05, untracked=untracked)
     again.open()
-    assert again.credit < 0.01
+    assert again.credit == pytest.approx(0.005)  # 5% of the 0.1 s between the two
     again.close()
     assert not untracked.running
     # watch()'s budget is 1% of the loop's time: its credit is 1% of the start, not 5%
@@ -164,27 +163,23 @@ def test_the_untracked_time_before_is_credited_once(monkeypatch: pytest.MonkeyPa
 
 
 def test_judging_and_measuring_share_one_account() -> None:
-    budget = Budget(0.1, credit=10.0)  # 10 s untracked before: 0.5 s for censuses only
+    budget = Budget(0.1, credit=10.0, clock=FakeClock())  # 10 s untracked: 0.5 s for censuses
     for _ in range(3):
         budget.end_iteration(0.01)  # 30 ms of loop: 3 ms in the account
     assert budget.bank == pytest.approx(0.003)  # measuring never spends the credit
-    assert budget.afford(0.5) and not budget.afford(0.504)
+    assert budget.held >= 0.5 and budget.held < 0.504  # a census's 0.5 s is affordable
     budget.charge(budget_module.CENSUSES, 0.502, inside=False)
     assert budget.bank == pytest.approx(0.001)  # past the credit, a census spent what
-    assert budget.afford(0.001) and not budget.afford(0.0015)  # measuring would have
+    assert 0.001 <= budget.held < 0.0015  # measuring would have
     budget.reserved = 0.001  # a census waits for the account: measuring leaves it be
     assert budget.bank == pytest.approx(0.0)
 
 
-def test_a_sampled_iteration_that_overdraws_stops_measuring(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [100.0]  # the budget's clock, moved by hand
-    monkeypatch.setattr(budget_module, "time",
-                        types.SimpleNamespace(perf_counter=lambda: now[0],
-                                              monotonic=time.monotonic))
-    budget = Budget(0.1, credit=0.0)
+def test_a_sampled_iteration_that_overdraws_stops_measuring() -> None:
+    clock = FakeClock()  # moved by hand
+    budget = Budget(0.1, credit=0.0, clock=clock)
     for _ in range(3):  # the first three are sampled whatever the account holds, but stop
-        now[0] += 0.2  # measuring past a quarter of the loop's own time in them so far
+        clock.advance(0.2)  # measuring past a quarter of the loop's own time in them so far
         budget.charge(budget_module.HOOKS, 0.04)  # 40 ms of 200: the loop's own is 160
         assert not budget.overdrawn()
         budget.charge(budget_module.HOOKS, 0.02)  # 60 ms of 200: over a quarter of 140
@@ -201,21 +196,26 @@ def test_a_sampled_iteration_that_overdraws_stops_measuring(
     assert budget.short() > 0
 
 
-def test_long_first_iterations_measure_each_layer_and_count_the_rest(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_first_iterations_measure_each_layer_and_count_the_rest() -> None:
     """Episodes of 100 forwards of a small policy, the first iterations allowed no time for
     measuring (as when each read of a fragmented heap takes 100 us and more): they still
     measure every layer, but count its other calls instead of measuring each; the results
-    stay bit for bit, and a list kept across episodes is still named."""
-    monkeypatch.setattr(budget_module, "FIRST_SHARE", 0.0)
-    monkeypatch.setattr(budget_module, "FIRST_FLOOR", 0.0)
+    stay bit for bit, and a list kept across episodes is still named. On a clock where each
+    of memsentry's readings takes 1 ms and each forward's own work 1 s (the account, at
+    overhead=1.0, is never short), with the ten episodes all among the first."""
+    no_time = replace(DEFAULT, first_share=0.0, sampled_first=10)
+    clock = FakeClock(tick=1e-3)
+
+    def forward(policy: nn.Module) -> torch.Tensor:
+        clock.advance(1.0)
+        return policy(torch.randn(1, 4)).sum()
 
     def episodes(policy: nn.Module, kept: list[torch.Tensor]) -> list[float]:
         opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
         torch.manual_seed(1)
         losses = []
         for _ in range(10):
-            total = sum(policy(torch.randn(1, 4)).sum() for _ in range(100))
+            total = sum(forward(policy) for _ in range(100))
             assert isinstance(total, torch.Tensor)
             opt.zero_grad()
             total.backward()
@@ -230,35 +230,33 @@ def test_long_first_iterations_measure_each_layer_and_count_the_rest(
 
     plain = episodes(policy(), [])
     model, kept_outputs = policy(), []  # type: ignore[var-annotated]
-    with memsentry.track(model, on_leak="ignore") as t:
-        tracked = episodes(model, kept_outputs)
-    assert tracked == plain
+    with tracked(model, on_leak="ignore", tuning=no_time, clock=clock, overhead=1.0) as t:
+        losses = episodes(model, kept_outputs)
+    assert losses == plain
     report = t.report()
     layers = [layer for layer in report.layers if layer.type in {"Linear", "ReLU"}]
-    # Each layer has figures; the three sampled episodes ran each of them 100 times or more.
+    # Each layer has figures, from a few calls an episode; every call is counted.
     assert len(layers) == 3 and all(layer.forward_peak is not None for layer in layers)
-    assert all(layer.calls >= 200 and 1 <= layer.measured_calls <= 10 for layer in layers), [
+    assert all(layer.calls == 1000 and 1 <= layer.measured_calls <= 100 for layer in layers), [
         (layer.name, layer.calls, layer.measured_calls) for layer in layers]
     leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
     assert any("`kept` (a local of episodes()" in f.message for f in leaks)
 
 
-def test_first_iterations_that_stop_measuring_still_count_the_activations(
-        monkeypatch: pytest.MonkeyPatch, ample_budget: None) -> None:
+def test_first_iterations_that_stop_measuring_still_count_the_activations() -> None:
     """A loop that keeps each step's validation forward with its graph (its activations
     pile up): first iterations that stopped measuring at once still put those activations
     in the breakdown, as iterations that measured every call do. (Every iteration is one of
     the first here, sampled whatever the account holds.)"""
 
     def run(first_share: float) -> memsentry.Report:
-        monkeypatch.setattr(budget_module, "FIRST_SHARE", first_share)
-        monkeypatch.setattr(budget_module, "FIRST_FLOOR", 0.0)
+        tuning = replace(DEFAULT, sampled_first=1 << 60, first_share=first_share, floor=0.0)
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         torch.manual_seed(1)
         x_val = torch.randn(256, 16)
         val_logits = []
-        with memsentry.track(model, on_leak="ignore", holders=False) as t:
+        with tracked(model, on_leak="ignore", holders=False, tuning=tuning) as t:
             for _ in range(4):
                 model(torch.randn(8, 16)).pow(2).mean().backward()
                 opt.step()
@@ -279,16 +277,16 @@ def test_first_iterations_that_stop_measuring_still_count_the_activations(
                if layer.type == "Linear")  # the cut run measured fewer calls
 
 
-def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_first_iterations_dearer_than_the_budget_say_what_they_cost() -> None:
     # The first three iterations measure every layer whatever the budget holds: on a model of
     # many small modules that is most of a short run's time, and the report says so, with the
-    # ledger's seconds; a cheap model's report has no such note.
-    default = budget_module.FIRST_NOTED
-    monkeypatch.setattr(budget_module, "FIRST_NOTED", 0.0)  # any cost over the share
+    # ledger's seconds; a cheap model's report has no such note. On a clock where each of
+    # memsentry's readings takes 50 us and a step of the loop 1 ms.
+    noted = replace(DEFAULT, first_noted=0.0)  # any cost over the share
     wide = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(150)])
-    with memsentry.track(wide, on_leak="ignore") as t:
-        train(wide, 6)
+    clock = FakeClock(tick=5e-5)
+    with tracked(wide, on_leak="ignore", tuning=noted, clock=clock) as t:
+        train(wide, 6, clock=clock)
     report = t.report()
     cost = report.cost
     assert cost is not None and cost.first_seconds > 0 and cost.first_loop_seconds > 0
@@ -298,8 +296,8 @@ def test_first_iterations_dearer_than_the_budget_say_what_they_cost(
     assert f"took {cost.first_seconds:.2f} s of the {ran:.2f} s they ran" in note
     assert memsentry.Report.from_dict(json.loads(report.to_json())).cost == cost
 
-    monkeypatch.setattr(budget_module, "FIRST_NOTED", default)
-    model = make_model()
-    with memsentry.track(model, on_leak="ignore") as t:
-        train(model, 6)
+    model = make_model()  # a cheap model, on a clock where the loop's step takes 1 s
+    clock = FakeClock(tick=1e-6)
+    with tracked(model, on_leak="ignore", clock=clock) as t:
+        train(model, 6, clock=clock, step=1.0)
     assert not [n for n in t.report().notes if n.startswith("The first 3 iterations")]

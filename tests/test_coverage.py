@@ -4,17 +4,18 @@ modules outside the window, and the report saying so."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
 
 import pytest
 import torch
+from fake_clock import FakeClock
+from seams import tracked
 from torch import nn
 from torch.nn.modules import module as module_globals
 
 import memsentry
-import memsentry.record.coverage as coverage_module
 
-pytestmark = pytest.mark.in_turn  # these tests keep the timing of measuring
+pytestmark = pytest.mark.default_policy  # the default tuning, on fake clocks
 
 
 def make_model() -> nn.Sequential:
@@ -24,11 +25,16 @@ def make_model() -> nn.Sequential:
 
 
 def train(model: nn.Module, steps: int, *, kept: list[torch.Tensor] | None = None,
-          watch: list[int] | None = None) -> list[float]:
+          watch: list[int] | None = None, clock: FakeClock | None = None,
+          step: float = 1e-3) -> list[float]:
+    """``steps`` Adam steps on random batches; on ``clock``, each step's own work takes
+    ``step`` seconds."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
     losses = []
     for _ in range(steps):
+        if clock is not None:
+            clock.advance(step)
         loss = model(torch.randn(8, 16)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -42,21 +48,29 @@ def train(model: nn.Module, steps: int, *, kept: list[torch.Tensor] | None = Non
     return losses
 
 
-@pytest.fixture
-def no_floor(monkeypatch: pytest.MonkeyPatch, ample_budget: None) -> None:
-    """Small test models cost less than the floor below which nothing rotates; every
-    iteration is sampled (the budget's light iterations are tested in test_budget.py)."""
-    monkeypatch.setattr(coverage_module, "FLOOR", 0.0)
+#: The loop's own work per step, on a clock where each of memsentry's readings takes 0.1 ms:
+#: measuring every layer call then costs about 14% of a step, over the 5% budget, and the
+#: account pays for a sampled iteration of part of the layers from iteration 12 on.
+STEP = 0.1
 
 
-def test_over_budget_layers_are_measured_in_turn_with_bitwise_results(no_floor: None) -> None:
+def in_turn(model: nn.Module | None = None, **options: object) -> tuple[memsentry.Tracker,
+                                                                        FakeClock]:
+    """A tracker under a 5% budget on a clock where measuring every call is too dear."""
+    clock = FakeClock(tick=1e-4)
+    return tracked(model, overhead=0.05, on_leak="ignore", credit=0.0, clock=clock,
+                   **options), clock
+
+
+def test_over_budget_layers_are_measured_in_turn_with_bitwise_results() -> None:
     plain_model = make_model()
     plain = train(plain_model, 20)
     model = make_model()
     hooked: list[int] = []
-    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
-        tracked = train(model, 20, watch=hooked)
-    assert plain == tracked
+    tracker, clock = in_turn(model)
+    with tracker as t:
+        losses = train(model, 20, watch=hooked, clock=clock, step=STEP)
+    assert plain == losses
     assert all(torch.equal(a, b) for a, b in
                zip(plain_model.state_dict().values(), model.state_dict().values(), strict=True))
     report = t.report()
@@ -76,11 +90,12 @@ def test_over_budget_layers_are_measured_in_turn_with_bitwise_results(no_floor: 
     assert not any(f.severity is memsentry.Severity.LEAK for f in report.findings)
 
 
-def test_a_leak_is_found_while_layers_are_measured_in_turn(no_floor: None) -> None:
+def test_a_leak_is_found_while_layers_are_measured_in_turn() -> None:
     model = make_model()
     kept: list[torch.Tensor] = []
-    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
-        train(model, 12, kept=kept)
+    tracker, clock = in_turn(model)
+    with tracker as t:
+        train(model, 20, kept=kept, clock=clock, step=STEP)
     report = t.report()
     assert any("measured the layers in turn" in n for n in report.notes)
     leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
@@ -88,19 +103,24 @@ def test_a_leak_is_found_while_layers_are_measured_in_turn(no_floor: None) -> No
     assert "`kept`" in leaks[0].message
 
 
-def test_global_hooks_measure_in_turn_too(no_floor: None) -> None:
+def test_global_hooks_measure_in_turn_too() -> None:
     model = make_model()
-    with memsentry.track(overhead=1e-6, on_leak="ignore") as t:
-        train(model, 16)
+    tracker, clock = in_turn()
+    with tracker as t:
+        train(model, 20, clock=clock, step=STEP)
     report = t.report()
     assert any("measured the layers in turn" in n for n in report.notes)
     leaves = [layer for layer in report.layers if layer.type in {"Linear", "Tanh"}]
     assert len(leaves) == 13 and all(layer.forward_delta is not None for layer in leaves)
+    # The outermost module ran 20 times; light iterations run with no hook on it, so its
+    # count is a lower bound, and the table says so.
     root = report.layer("Sequential")
-    assert root.calls == 16  # outermost calls are all counted
+    assert not root.calls_complete and 3 <= root.calls < 20
+    assert f">={root.calls}" in report.format()
+    assert memsentry.Report.from_dict(json.loads(report.to_json())).layer("Sequential") == root
 
 
-def test_without_a_limit_every_call_is_measured(no_floor: None) -> None:
+def test_without_a_limit_every_call_is_measured() -> None:
     model = make_model()
     hooked: list[int] = []
     with memsentry.track(model, overhead=None, on_leak="ignore") as t:
@@ -111,62 +131,36 @@ def test_without_a_limit_every_call_is_measured(no_floor: None) -> None:
     assert {layer.calls for layer in report.layers} == {8}
 
 
-EndIteration = Callable[[coverage_module.Coverage, int, float, int], None]
-
-
-def _trained_through(monkeypatch: pytest.MonkeyPatch,
-                     end_iteration: EndIteration) -> memsentry.Report:
-    """The report of 8 steps of :func:`make_model` under ``track()``, each iteration's end
-    going through ``end_iteration`` (which calls the ``Coverage.end_iteration`` it wraps)."""
-    monkeypatch.setattr(coverage_module.Coverage, "end_iteration", end_iteration)
+def test_a_cheap_loop_is_measured_in_full() -> None:
+    # The default limit: while measuring costs a small share of the step, every call of every
+    # iteration is measured. On a clock where each reading takes 1 us and a step 100 ms
+    # (measuring an iteration's 280 readings takes 0.3% of it).
     model = make_model()
-    with memsentry.track(model, on_leak="ignore") as t:
-        train(model, 8)
-    return t.report()
+    clock = FakeClock(tick=1e-6)
+    with tracked(model, on_leak="ignore", clock=clock) as t:
+        train(model, 8, clock=clock, step=0.1)
+    report = t.report()
+    assert not any("in turn" in n or "kept to its budget" in n for n in report.notes)
+    assert {layer.calls for layer in report.layers} == {8}
+    assert {layer.measured_calls for layer in report.layers} == {8}
+    assert all(layer.calls_complete for layer in report.layers)
 
 
-def test_a_cheap_loop_is_measured_in_full(monkeypatch: pytest.MonkeyPatch,
-                                          ample_budget: None) -> None:
-    # The default limit with the floor: while measuring costs under 2 ms an iteration (a small
-    # model's hooks take a tenth of that on an idle machine), every call is measured. The
-    # test reads what measuring cost, so a loaded machine does not decide it.
-    over: list[tuple[int, bool]] = []  # per iteration: did measuring cost over the limit?
-    original = coverage_module.Coverage.end_iteration
-
-    def spy(self: coverage_module.Coverage, index: int, seconds: float, layers: int) -> None:
-        own = self.own + coverage_module.DISPATCH * self.calls
-        allowed = max(coverage_module.OVERHEAD * (seconds - own), coverage_module.FLOOR)
-        if index + 1 >= coverage_module.FULL_FIRST:
-            over.append((index, own > allowed))
-        original(self, index, seconds, layers)
-
-    report = _trained_through(monkeypatch, spy)
-    assert over
-    # Narrowing after an iteration applies to the next: over the limit in the last of the 8
-    # iterations (index 7) alone leaves every call measured.
-    if not any(was_over for index, was_over in over if index < 7):  # the usual case
-        assert not any("in turn" in n for n in report.notes)
-        assert {layer.calls for layer in report.layers} == {8}
-    else:  # the machine was too busy: measuring in turn was then the rule's answer
-        assert any("in turn" in n for n in report.notes)
-
-
-def test_measuring_in_turn_from_the_last_iteration_on_is_said(
-        monkeypatch: pytest.MonkeyPatch, ample_budget: None) -> None:
+def test_measuring_in_turn_from_the_last_iteration_on_is_said() -> None:
     # Measuring the layers in turn began only in the last iteration: its window held the
     # outermost module, and the layers outside it carried no hook, so no call was seen left
     # out, and the report kept quiet while the layers table's calls differed (a flaky test
-    # on a loaded machine found it). Iteration 6's cost is raised by hand, nothing else.
-    monkeypatch.setattr(coverage_module, "FLOOR", 3600.0)  # no narrowing but the forced one
-    original = coverage_module.Coverage.end_iteration
-
-    def costly(self: coverage_module.Coverage, index: int, seconds: float, layers: int) -> None:
-        if index == 6:
-            self.own += 7200.0
-            seconds += 7201.0
-        original(self, index, seconds, layers)
-
-    report = _trained_through(monkeypatch, costly)
+    # on a loaded machine found it). On a clock where the loop's step takes 1 s and a reading
+    # 1 us, but 1 ms in iteration 6: measuring it costs three times the 4% budget of its
+    # step, which the account, rich from six cheap iterations, still pays.
+    model = make_model()
+    clock = FakeClock(tick=1e-6)
+    with tracked(model, on_leak="ignore", clock=clock, credit=0.0) as t:
+        for step in range(8):
+            clock.tick = 1e-3 if step == 6 else 1e-6
+            train(model, 1, clock=clock, step=1.0)
+    report = t.report()
+    assert not any("kept to its budget" in n for n in report.notes)  # every one sampled
     assert {layer.calls for layer in report.layers} != {8}
     (note,) = [n for n in report.notes if "in turn" in n]
     assert "in iteration 6" in note and "From iteration 7" in note
@@ -180,17 +174,18 @@ def test_a_bad_overhead_is_refused_before_anything_is_hooked(overhead: object) -
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_the_note_names_no_iteration_that_a_later_optimizer_step_merged_away(
-        no_floor: None) -> None:
+def test_the_note_names_no_iteration_that_a_later_optimizer_step_merged_away() -> None:
     # A script that evaluates before it trains (YOLO's get_bboxes before train_fn): its first
     # iterations are the model's calls, merged into one when the optimizer first steps. The
     # iteration whose cost narrowed the measuring is gone; the note must not quote it.
     model = make_model()
-    with memsentry.track(model, overhead=1e-6, on_leak="ignore") as t:
+    tracker, clock = in_turn(model)
+    with tracker as t:
         with torch.no_grad():
-            for _ in range(12):
+            for _ in range(12):  # each evaluation step 30 ms: measuring it is too dear
+                clock.advance(0.03)
                 model(torch.randn(8, 16))
-        train(model, 3)
+        train(model, 3, clock=clock, step=STEP)
     report = t.report()
     (note,) = [n for n in report.notes if "measured the layers in turn" in n]
     indices = {it.index for it in report.iterations}

@@ -16,7 +16,7 @@ from torch import nn
 import memsentry
 from memsentry.census.children import only_atoms
 
-pytestmark = pytest.mark.in_turn  # these tests keep the budget's timing
+pytestmark = pytest.mark.default_policy  # the default tuning: the budget decides
 
 
 class Agent(nn.Module):

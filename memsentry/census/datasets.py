@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import sys
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.utils.data
 
@@ -35,8 +35,19 @@ def _deep_size(obj: Any, depth: int = 3) -> int:
     return size
 
 
-def _estimate(container: Any) -> tuple[str, int]:
-    """("list of dict", estimated bytes) of a long container."""
+class _Container(NamedTuple):
+    """A long container among a dataset's attributes: the attribute path that reaches it
+    (``reader.samples``), the container, what it holds (``list of dict``) and its estimated
+    bytes."""
+
+    path: str
+    container: Any
+    kind: str
+    nbytes: int
+
+
+def _estimate(path: str, container: Any) -> _Container:
+    """The kind and the estimated bytes of a long container, from a sample of its items."""
     items = list(container.values()) if isinstance(container, dict) else container
     count = len(items)
     stride = max(1, count // SAMPLE)
@@ -44,7 +55,7 @@ def _estimate(container: Any) -> tuple[str, int]:
     each = sum(_deep_size(item) for item in sample) / max(len(sample), 1)
     kinds = sorted({type(item).__name__ for item in sample})
     kind = f"{type(container).__name__} of {' and '.join(kinds) or 'nothing'}"
-    return kind, int(sys.getsizeof(container) + each * count)
+    return _Container(path, container, kind, int(sys.getsizeof(container) + each * count))
 
 
 #: Attributes of attributes followed, this many levels down (a reader, a wrapper's dataset).
@@ -53,28 +64,44 @@ DEPTH = 3
 MAX_OBJECTS = 200
 
 
-def _containers(dataset: Any) -> list[tuple[str, Any]]:
-    """(attribute path, container) of every container of :data:`MIN_ITEMS` items or more
-    among ``dataset``'s attributes and theirs, :data:`DEPTH` levels down (``reader.samples``
-    for a dataset that keeps a reader)."""
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = {id(dataset)}
-    queue: list[tuple[str, Any, int]] = [("", dataset, 0)]
-    while queue and len(seen) <= MAX_OBJECTS:
-        path, obj, depth = queue.pop(0)
-        attributes = getattr(obj, "__dict__", None)
-        if not isinstance(attributes, dict):
+class _Attribute(NamedTuple):
+    """An object among a dataset's attributes (or theirs): the path that reaches it, the
+    object and how many levels below the dataset it is."""
+
+    path: str
+    obj: Any
+    depth: int
+
+
+def _attributes(parent: _Attribute, seen: set[int]) -> list[_Attribute]:
+    """The attributes of ``parent`` not met before (``seen``: the ids met, these added)."""
+    attributes = getattr(parent.obj, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return []
+    found = []
+    for name, value in list(attributes.items()):
+        if not isinstance(name, str) or id(value) in seen:
             continue
-        for name, value in list(attributes.items()):
-            if not isinstance(name, str) or id(value) in seen:
-                continue
-            seen.add(id(value))
-            spelled = f"{path}.{name}" if path else name
-            if isinstance(value, _CONTAINERS):
-                if len(value) >= MIN_ITEMS:
-                    found.append((spelled, value))
-            elif depth + 1 < DEPTH and _plain(value):
-                queue.append((spelled, value, depth + 1))
+        seen.add(id(value))
+        path = f"{parent.path}.{name}" if parent.path else name
+        found.append(_Attribute(path, value, parent.depth + 1))
+    return found
+
+
+def _containers(dataset: Any) -> list[_Attribute]:
+    """Every container of :data:`MIN_ITEMS` items or more among ``dataset``'s attributes and
+    theirs, :data:`DEPTH` levels down (``reader.samples`` for a dataset that keeps a
+    reader)."""
+    found: list[_Attribute] = []
+    seen: set[int] = {id(dataset)}
+    queue = [_Attribute("", dataset, 0)]
+    while queue and len(seen) <= MAX_OBJECTS:
+        for attribute in _attributes(queue.pop(0), seen):
+            if isinstance(attribute.obj, _CONTAINERS):
+                if len(attribute.obj) >= MIN_ITEMS:
+                    found.append(attribute)
+            elif attribute.depth < DEPTH and _plain(attribute.obj):
+                queue.append(attribute)
     return found
 
 
@@ -96,10 +123,10 @@ def _plain(value: Any) -> bool:
 def dataset_objects(dataset: Any, frame: types.FrameType | None) -> DatasetObjects | None:
     """The largest container of Python objects among ``dataset``'s attributes, or theirs
     (``None`` when it keeps none of :data:`MIN_ITEMS` items or more)."""
-    found = [(path, container, *_estimate(container)) for path, container in
-             _containers(dataset)]
+    found = [_estimate(attribute.path, attribute.obj) for attribute in _containers(dataset)]
     if not found:
         return None
-    attribute, container, kind, size = max(found, key=lambda entry: entry[3])
+    largest = max(found, key=lambda entry: entry.nbytes)
     name = spelled_name(dataset, frame, frames=None) or type(dataset).__name__
-    return DatasetObjects(f"{name}.{attribute}", kind, len(container), size, name)
+    return DatasetObjects(f"{name}.{largest.path}", largest.kind, len(largest.container),
+                          largest.nbytes, name)

@@ -14,7 +14,7 @@ import sys
 import time
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -54,8 +54,25 @@ from memsentry.usercode.frames import (
 )
 from memsentry.usercode.lines import growth_line, short_path
 
-#: A root given to :func:`find_holders`: its path, the object, what it is and where it lives.
-Root = tuple[tuple[Step, ...], Any, HolderKind, Scope | None]
+
+class Root(NamedTuple):
+    """A root given to :func:`find_holders`: its path, the object, what it is and where it
+    lives."""
+
+    path: tuple[Step, ...]
+    obj: Any
+    kind: HolderKind
+    scope: Scope | None
+
+
+class Namespace(NamedTuple):
+    """A module's globals met in a census: the dict, the module's name and its file."""
+
+    globals: dict[str, Any]
+    name: str
+    path: str | None
+
+
 #: An object a framework runs (a LightningModule, a callback), the name its own methods spell
 #: it by (``self``) and what it is (``LightningModule``): its attributes are named from it.
 Named = tuple[str, Any, str]
@@ -76,23 +93,44 @@ def _interactive_name() -> str:
     return "the notebook" if "ipykernel" in sys.modules else "the IPython session"
 
 
+def _is_ipython(namespace: dict[str, Any]) -> bool:
+    """Whether ``namespace`` is an IPython shell's (it keeps ``In``, ``Out`` and ``_oh``)."""
+    return "Out" in namespace and "_oh" in namespace and "In" in namespace
+
+
+def _hidden_global(name: str, ipython: bool) -> bool:
+    """Dunders, and in an IPython shell its other names for its history."""
+    return name.startswith("__") or (ipython and _IPYTHON_ALIASES.fullmatch(name) is not None)
+
+
+def _globals_scope(ipython: bool, module_name: str, path: str | None) -> Scope:
+    """Where a module's globals live: an IPython shell's namespace (whichever cell is
+    running: not one cell's globals), a script run as ``__main__``, or a module."""
+    if ipython:
+        return Scope(ScopeKind.SCRIPT, _interactive_name())
+    if module_name == "__main__" and path:
+        return Scope(ScopeKind.SCRIPT, short_path(path))
+    return Scope(ScopeKind.MODULE, module_name)
+
+
+def _walked_global(value: Any, module_name: str) -> bool:
+    """Whether a global is a root: a function or class defined in its module that a walk goes
+    into, or a value that may hold tensors (not an atom, not code)."""
+    defined_here = isinstance(value, CALLABLES) and walks_into(value) \
+        and getattr(value, "__module__", None) == module_name
+    return defined_here or (not atomic(value) and not isinstance(value, OPAQUE))
+
+
 def add_globals(walk: Walk, namespace: dict[str, Any], module_name: str, path: str | None, *,
                 classes: bool = False) -> None:
     """A module's globals as roots (and, with ``classes``, its classes' attributes)."""
-    ipython = "Out" in namespace and "_oh" in namespace and "In" in namespace
-    if ipython:  # the shell's namespace, whichever cell is running: not one cell's globals
-        scope = Scope(ScopeKind.SCRIPT, _interactive_name())
-    elif module_name == "__main__" and path:
-        scope = Scope(ScopeKind.SCRIPT, short_path(path))
-    else:
-        scope = Scope(ScopeKind.MODULE, module_name)
+    ipython = _is_ipython(namespace)
+    scope = _globals_scope(ipython, module_name, path)
     files = (path,) if path else ()
     for name, value in list(namespace.items()):
-        if name.startswith("__") or (ipython and _IPYTHON_ALIASES.fullmatch(name)):
+        if _hidden_global(name, ipython):
             continue
-        defined_here = isinstance(value, CALLABLES) and walks_into(value) \
-            and getattr(value, "__module__", None) == module_name
-        if defined_here or (not atomic(value) and not isinstance(value, OPAQUE)):
+        if _walked_global(value, module_name):
             walk.add_root(value, _root(name), HolderKind.GLOBAL, scope, SourceHint(name, files))
         elif classes and isinstance(value, type):
             walk.add_class(value)
@@ -103,28 +141,36 @@ def add_log_handlers(walk: Walk) -> None:
     handles (with the tensors passed as their arguments) is held by :mod:`logging`'s registry,
     which no user module reaches."""
     logging = sys.modules.get("logging")
-    if logging is None:
-        return
-    made = getattr(logging, "_handlerList", None)  # weak references to every handler made
-    if isinstance(made, list) and not any(is_user_class(type(ref())) for ref in list(made)):
+    if logging is None or not _user_handler_made(logging):
         return  # no handler of the user's classes: no logger to look through
     loggers = [("", logging.getLogger())] + [
         (name, logger) for name, logger in list(logging.Logger.manager.loggerDict.items())
         if isinstance(logger, logging.Logger)]
     for name, logger in loggers:
         for index, handler in enumerate(list(logger.handlers)):
-            if not is_user_class(type(handler)):
-                continue
-            source = source_file(type(handler))
-            path = (Step(StepKind.ROOT, f"logging.getLogger({name!r})" if name
-                         else "logging.getLogger()"),
-                    Step(StepKind.ATTRIBUTE, "handlers"), Step(StepKind.INDEX, str(index)))
-            walk.add_root(handler, path, HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "logging"),
-                          SourceHint("handlers", (source,) if source else ()))
+            if is_user_class(type(handler)):
+                _add_handler(walk, name, index, handler)
+
+
+def _user_handler_made(logging: types.ModuleType) -> bool:
+    """Whether a handler of the user's classes may exist: :mod:`logging` keeps weak
+    references to every handler made (when it does not, any may)."""
+    made = getattr(logging, "_handlerList", None)
+    return not isinstance(made, list) or any(is_user_class(type(ref())) for ref in list(made))
+
+
+def _add_handler(walk: Walk, logger: str, index: int, handler: Any) -> None:
+    """A handler of the user's class, as the root ``logging.getLogger(name).handlers[i]``."""
+    source = source_file(type(handler))
+    path = (Step(StepKind.ROOT, f"logging.getLogger({logger!r})" if logger
+                 else "logging.getLogger()"),
+            Step(StepKind.ATTRIBUTE, "handlers"), Step(StepKind.INDEX, str(index)))
+    walk.add_root(handler, path, HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "logging"),
+                  SourceHint("handlers", (source,) if source else ()))
 
 
 def _add_frames(walk: Walk, frame: types.FrameType | None,
-                namespaces: dict[int, tuple[dict[str, Any], str, str | None]]) -> None:
+                namespaces: dict[int, Namespace]) -> None:
     """The locals of the user's function frames as roots; their globals into ``namespaces``."""
     frames = user_frames(frame)
     try:
@@ -141,7 +187,7 @@ def _add_frames(walk: Walk, frame: types.FrameType | None,
                         walk.add_root(value, _root(name), HolderKind.LOCAL, scope, hint)
             namespaces.setdefault(
                 id(user_frame.f_globals),
-                (user_frame.f_globals, user_frame.f_globals.get("__name__", "?"), path),
+                Namespace(user_frame.f_globals, user_frame.f_globals.get("__name__", "?"), path),
             )
     finally:
         for user_frame in frames:
@@ -177,6 +223,33 @@ def _defaults_of(code: types.CodeType, namespace: dict[str, Any], instance: Any)
 GRAPH_SHARE = 0.5
 
 
+def _add_instance(walk: Walk, name: str, obj: Any, role: str) -> None:
+    """An object a framework runs, as the root its own methods spell (``self``)."""
+    cls = type(obj)
+    source = source_file(cls)
+    walk.add_root(obj, _root(name), HolderKind.INSTANCE,
+                  Scope(ScopeKind.CLASS, f"{role} {cls.__name__}", short_path(source)
+                        if source else None),
+                  SourceHint(name, (source,) if source else ()))
+
+
+def _add_scopes(walk: Walk, frame: types.FrameType | None) -> None:
+    """The locals of the user's frames, an interactive session's uncaught error, then the
+    globals of those frames' modules and of every other user module."""
+    namespaces: dict[int, Namespace] = {}
+    _add_frames(walk, frame, namespaces)
+    for module in user_modules():
+        namespaces.setdefault(id(vars(module)), Namespace(
+            vars(module), module.__name__, getattr(module, "__file__", None)))
+    last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
+    if last_error is not None:
+        walk.add_root(last_error, (Step(StepKind.ROOT, "sys"), Step(StepKind.ATTRIBUTE,
+                      "last_value")), HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "sys"),
+                      SourceHint("last_value"))
+    for namespace in namespaces.values():
+        add_globals(walk, namespace.globals, namespace.name, namespace.path, classes=True)
+
+
 def take_census(
     iteration: int,
     *,
@@ -196,24 +269,8 @@ def take_census(
     started = time.perf_counter()
     walk = Walk(Budget(budget), static, skip, live_frames=running_frames(frame))
     for name, obj, role in named:  # first: where both reach a tensor, the user's spelling wins
-        cls = type(obj)
-        source = source_file(cls)
-        walk.add_root(obj, _root(name), HolderKind.INSTANCE,
-                      Scope(ScopeKind.CLASS, f"{role} {cls.__name__}", short_path(source)
-                            if source else None),
-                      SourceHint(name, (source,) if source else ()))
-    namespaces: dict[int, tuple[dict[str, Any], str, str | None]] = {}
-    _add_frames(walk, frame, namespaces)
-    for module in user_modules():
-        namespaces.setdefault(id(vars(module)),
-                              (vars(module), module.__name__, getattr(module, "__file__", None)))
-    last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
-    if last_error is not None:
-        walk.add_root(last_error, (Step(StepKind.ROOT, "sys"), Step(StepKind.ATTRIBUTE,
-                      "last_value")), HolderKind.GLOBAL, Scope(ScopeKind.MODULE, "sys"),
-                      SourceHint("last_value"))
-    for namespace, module_name, path in namespaces.values():
-        add_globals(walk, namespace, module_name, path, classes=True)
+        _add_instance(walk, name, obj, role)
+    _add_scopes(walk, frame)
     add_log_handlers(walk)
     if model is not None and all(obj is not model for _, obj, _ in named):
         name = type(model).__name__
@@ -247,8 +304,9 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
     """
     walk = Walk(Budget(budget), set(), set(), targets=set(pointers),
                 live_frames=running_frames(sys._getframe()))
-    for path, obj, kind, scope in roots:
-        walk.add_root(obj, path, kind, scope, SourceHint(path[-1].name if path else ""))
+    for root in roots:
+        walk.add_root(root.obj, root.path, root.kind, root.scope,
+                      SourceHint(root.path[-1].name if root.path else ""))
     for module in user_modules():
         add_globals(walk, vars(module), module.__name__, getattr(module, "__file__", None),
                     classes=True)
@@ -256,23 +314,44 @@ def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
     return walk.tally.found, not walk.budget.exhausted
 
 
-def _where(holder: Holder) -> tuple[Location | None, str | None]:
+class FilledAt(NamedTuple):
+    """The line that fills a holder (``where``) and the full path of its file (``source``);
+    both ``None`` when no line was found."""
+
+    where: Location | None
+    source: str | None
+
+
+_NOWHERE = FilledAt(None, None)
+
+
+def _where(holder: Holder) -> FilledAt:
     """The line of the user's code that fills the holder, with the full path of its file; for
     an attribute a library's class fills (``queue.Queue``'s ``queue``), the line that grows
     its root (``q.put(x)``); else the fallback line (where its frame stood)."""
     hint = holder.hint
     user = [path for path in hint.files if not is_library_file(path)]
-    for path in user:
-        line = growth_line(path, hint.name, function_line=hint.function_line)
+    found = _growth_in(user, hint.name, hint.function_line)
+    if found is None and _filled_by_library(holder, user):
+        found = _growth_in(user[-1:], holder.path[0].name, None)
+    if found is None and hint.files and hint.fallback_line is not None:
+        found = FilledAt(Location(short_path(hint.files[0]), hint.fallback_line), hint.files[0])
+    return found or _NOWHERE
+
+
+def _growth_in(files: list[str], name: str, function_line: int | None) -> FilledAt | None:
+    """The line that grows ``name`` in the first of ``files`` that has one."""
+    for path in files:
+        line = growth_line(path, name, function_line=function_line)
         if line is not None:
-            return Location(short_path(path), line), path
-    if len(holder.path) > 1 and len(user) < len(hint.files) and user:
-        line = growth_line(user[-1], holder.path[0].name)
-        if line is not None:
-            return Location(short_path(user[-1]), line), user[-1]
-    if hint.files and hint.fallback_line is not None:
-        return Location(short_path(hint.files[0]), hint.fallback_line), hint.files[0]
-    return None, None
+            return FilledAt(Location(short_path(path), line), path)
+    return None
+
+
+def _filled_by_library(holder: Holder, user: list[str]) -> bool:
+    """Whether the holder is an attribute that a library's class fills: its path goes below
+    its root, and some of its hint's files (not all: ``user``) are the library's."""
+    return len(holder.path) > 1 and 0 < len(user) < len(holder.hint.files)
 
 
 def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | None:
@@ -287,7 +366,8 @@ def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | 
 
 
 def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
-    where, source = _where(holder)
+    filled = _where(holder)
+    where, source = filled.where, filled.source
     line = where.line if where else None
     added = added_value(source, line, holder.hint.name)
     rewrite = rewritten(source, line, holder.hint.name) if added is None else None

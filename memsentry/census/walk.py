@@ -110,7 +110,7 @@ class Walk:
         self.root_order: dict[tuple[Step, ...], int] = {}  # roots in the order they were added
         self.classes: set[type] = set()
         self.queue: collections.deque[Item] = collections.deque()
-        self.large: collections.deque[tuple[Item, Any, type]] = collections.deque()
+        self.large: collections.deque[Item] = collections.deque()  # walked after the rest
         self.visited = 0
         self.live_frames = live_frames or set()
 
@@ -146,8 +146,8 @@ class Walk:
             if not self.queue:
                 if not self.large:
                     return
-                item, obj, cls = self.large.popleft()
-                self._enqueue_children(item, obj, cls)
+                item = self.large.popleft()
+                self._enqueue_children(item, item.obj, type(item.obj))
                 continue
             item = self.queue.popleft()
             obj = item.obj
@@ -218,29 +218,38 @@ class Walk:
             if item.depth < _MAX_DEPTH:
                 self._enqueue_children(item, obj, type(obj), captured(obj))
             return
-        if isinstance(obj, OPAQUE) or root_package(type(obj).__module__) in _NOT_WALKED:
+        if _never_walked(obj):
             return
         if isinstance(obj, nn.Module) and item.frozen:
             self.tally.model(item, obj)  # a model kept in a container: count it, whole
-            return
-        cls = type(obj)
-        if not isinstance(obj, CONTAINERS):
-            if cls.__module__.startswith("torch.") and not isinstance(obj, nn.Module):
-                return
-            self.add_class(cls)
-        elif not item.frozen:
+        elif isinstance(obj, CONTAINERS):
+            self._visit_container(item, obj)
+        elif not _torch_internal(obj):
+            self._visit_instance(item, obj)
+
+    def _visit_container(self, item: Item, obj: Any) -> None:
+        """A list, dict, set, deque...: its length is the holder's; a long one's items are
+        walked after everything else (:meth:`run`)."""
+        if not item.frozen:
             bound = obj.maxlen if isinstance(obj, collections.deque) else None
             self.tally.container(item.path, len(obj), bound, type(obj).__name__)
+        if item.depth >= _MAX_DEPTH or only_atoms(obj):
+            return
+        if len(obj) > LARGE:
+            self.large.append(item)
+        else:
+            self._enqueue_children(item, obj, type(obj))
+
+    def _visit_instance(self, item: Item, obj: Any) -> None:
+        """Any other object: its class's attributes become roots, its own are walked."""
+        cls = type(obj)
+        self.add_class(cls)
         if item.depth < _MAX_DEPTH and not only_atoms(obj):
-            if isinstance(obj, CONTAINERS) and len(obj) > LARGE:
-                self.large.append((item, obj, cls))
-            else:
-                self._enqueue_children(item, obj, cls)
+            self._enqueue_children(item, obj, cls)
 
     def _enqueue_children(self, item: Item, obj: Any, cls: type,
                           held: Iterator[Child] | None = None) -> None:
-        files = item.hint.files
-        source = source_file(cls) if cls.__module__ != "builtins" else None
+        attribute_files = _attribute_files(cls, item.hint.files)
         depth = item.depth + 1
         budget = self.budget
         for kind, raw, child, positional in held or children(obj, self.live_frames):
@@ -254,6 +263,25 @@ class Walk:
                 continue
             hint = item.hint
             if kind == StepKind.ATTRIBUTE:
-                hint = SourceHint(raw, (source, *files) if source else files)
+                hint = SourceHint(raw, attribute_files)
             self.queue.append(Item(child, (*item.path, make_step(kind, raw)), item.kind,
                                    item.scope, hint, depth, False))
+
+
+def _attribute_files(cls: type, files: tuple[str, ...]) -> tuple[str, ...]:
+    """Where to look for the line that fills an attribute of a ``cls`` instance: the file of
+    its class (a method of it), then ``files``, those of the instance's holder."""
+    source = source_file(cls) if cls.__module__ != "builtins" else None
+    return (source, *files) if source else files
+
+
+def _never_walked(obj: Any) -> bool:
+    """Code, classes, optimizers, autograd nodes, and the objects of the packages whose
+    objects are never walked into (:data:`_NOT_WALKED`)."""
+    return isinstance(obj, OPAQUE) or root_package(type(obj).__module__) in _NOT_WALKED
+
+
+def _torch_internal(obj: Any) -> bool:
+    """One of torch's own objects that is not a module (a device, a dtype, a generator):
+    nothing of the user's is kept under it."""
+    return type(obj).__module__.startswith("torch.") and not isinstance(obj, nn.Module)

@@ -119,11 +119,18 @@ def _script_options_after(command: argparse.ArgumentParser, argv: list[str]
     script = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
     if script is None:
         return None
-    actions = command._option_string_actions
+    before, moved = _sort_options(command._option_string_actions, words[:script])
+    return ["run", *before, words[script], *moved, *words[script + 1:]]
+
+
+def _sort_options(actions: dict[str, argparse.Action], words: list[str]
+                  ) -> tuple[list[str], list[str]]:
+    """``words`` (what comes before the script) split into the options ``run`` knows and
+    those it does not, each option's value kept with it."""
     before: list[str] = []
     moved: list[str] = []
     taking: list[str] | None = None  # where the next word goes: the value of an option
-    for word in words[:script]:
+    for word in words:
         if taking is not None and not word.startswith("-"):
             taking.append(word)
             taking = None
@@ -131,9 +138,15 @@ def _script_options_after(command: argparse.ArgumentParser, argv: list[str]
         action = actions.get(word.split("=")[0])
         target = before if action is not None else moved
         target.append(word)
-        takes = action is None or action.nargs != 0
-        taking = target if takes and "=" not in word else None
-    return ["run", *before, words[script], *moved, *words[script + 1:]]
+        taking = target if _value_follows(action, word) else None
+    return before, moved
+
+
+def _value_follows(action: argparse.Action | None, word: str) -> bool:
+    """Whether the word after the option ``word`` may be its value: the option takes one (or
+    is unknown, so may take one) and ``word`` does not carry it after ``=``."""
+    takes = action is None or action.nargs != 0
+    return takes and "=" not in word
 
 
 def main(argv: Sequence[str] | None = None) -> int:

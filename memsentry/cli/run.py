@@ -70,39 +70,76 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _check(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, before anything runs (each output file is checked
-    too, so a long run never ends with its report lost)."""
+def _module_problem(name: str) -> str | None:
+    """What is wrong with ``-m name``: no module of that name, where python -m looks."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())  # where python -m looks first
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.pop(0)
+    if found is None:
+        return f"no module named {name!r} (-m takes a module name, as python -m)"
+    return None
+
+
+def _script_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the script (or module) to run: that there is none of that name."""
     if args.module:
-        import importlib.util
-
-        sys.path.insert(0, os.getcwd())  # where python -m looks first
-        try:
-            found = importlib.util.find_spec(args.script)
-        except (ImportError, ValueError):
-            found = None
-        finally:
-            sys.path.pop(0)
-        if found is None:
-            return f"no module named {args.script!r} (-m takes a module name, as python -m)"
-    elif not os.path.isfile(args.script):
+        return _module_problem(args.script)
+    if not os.path.isfile(args.script):
         return f"no such script: {args.script!r}"
-    if args.fit is not None:
-        try:
-            if parse_size(args.fit) <= 0:
-                return f"--fit {args.fit!r}: give a positive size, e.g. 80GiB"
-        except ValueError as error:
-            return f"--fit: {error}"
-    if args.html is not None:
-        from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
+    return None
 
-        if not have_plotly():
-            return f"--html: the HTML report needs the plotly package: {INSTALL_HINT}"
+
+def _fit_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--fit SIZE``: not a size, or not a positive one."""
+    if args.fit is None:
+        return None
+    try:
+        if parse_size(args.fit) <= 0:
+            return f"--fit {args.fit!r}: give a positive size, e.g. 80GiB"
+    except ValueError as error:
+        return f"--fit: {error}"
+    return None
+
+
+def _html_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--html``: the page needs plotly, which is not installed."""
+    if args.html is None:
+        return None
+    from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
+
+    if not have_plotly():
+        return f"--html: the HTML report needs the plotly package: {INSTALL_HINT}"
+    return None
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """The first output file that cannot be written, and why."""
     for option, path in (("-o", args.output), ("--json", args.json), ("--html", args.html),
                          ("--snapshot", args.snapshot)):
         problem = unwritable(path) if path else None
         if problem is not None:
             return f"{option}: {problem}"
+    return None
+
+
+#: The checks :func:`_check` runs, in order: the first problem found is the one said.
+_CHECKS: tuple[Callable[[argparse.Namespace], str | None], ...] = (
+    _script_problem, _fit_problem, _html_problem, _output_problem)
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, before anything runs (each output file is checked
+    too, so a long run never ends with its report lost)."""
+    for check in _CHECKS:
+        problem = check(args)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -169,19 +169,37 @@ def without_machinery(tb: types.TracebackType | None) -> types.TracebackType | N
     the loop (its ``torch.autograd.backward``), as python itself would show it. Frames of
     memsentry's where the error was raised stay, the frames that called them too; none
     where the script's code never ran (a syntax error, which python shows without any)."""
+    entries = _entries(tb)
+    if all(_is_machinery(entry.tb_frame) for entry in entries):
+        return None
+    return _rebuilt(_kept(entries))
+
+
+def _entries(tb: types.TracebackType | None) -> list[types.TracebackType]:
+    """The entries of ``tb``, outermost first."""
     entries = []
     while tb is not None:
         entries.append(tb)
         tb = tb.tb_next
-    if all(_is_machinery(entry.tb_frame) for entry in entries):
-        return None
+    return entries
+
+
+def _kept(entries: list[types.TracebackType]) -> list[types.TracebackType]:
+    """The entries to show, innermost first: memsentry's and runpy's only where no frame of
+    another's comes after them (where the error was raised, and what called that)."""
     kept: list[types.TracebackType] = []
     foreign_after = False  # a frame not memsentry's comes later
     for entry in reversed(entries):
-        if foreign_after and _is_machinery(entry.tb_frame):
+        machinery = _is_machinery(entry.tb_frame)
+        if foreign_after and machinery:
             continue
         kept.append(entry)
-        foreign_after = foreign_after or not _is_machinery(entry.tb_frame)
+        foreign_after = foreign_after or not machinery
+    return kept
+
+
+def _rebuilt(kept: list[types.TracebackType]) -> types.TracebackType | None:
+    """A traceback of the ``kept`` entries (innermost first), outermost first again."""
     rebuilt = None
     for entry in kept:  # innermost first
         # An entry whose instruction has no line (a signal that arrived between two) says

@@ -76,6 +76,29 @@ def _guard(trainer: Trainer, session: TrainingSession) -> None:
     trainer.train = train  # type: ignore[method-assign]
 
 
+def _trainer_names(trainer: Trainer, own: object) -> list[tuple[str, object, str]]:
+    """The ``Trainer`` when it is of the user's class, and the callbacks of the user's
+    classes other than ``own`` (memsentry's), as their methods spell them."""
+    names: list[tuple[str, object, str]] = []
+    if is_user_class(type(trainer)):
+        names.append(("self", trainer, "Trainer"))
+    names += [("self", callback, "callback") for callback in trainer.callback_handler.callbacks
+              if callback is not own and is_user_class(type(callback))]
+    return names
+
+
+def _framework_names(model: Any, trainer: Trainer | None,
+                     own: object) -> list[tuple[str, object, str]]:
+    """The objects the holder search starts from, as (name, object, role): the model, the
+    ``Trainer`` and the other callbacks, those of the user's classes."""
+    names: list[tuple[str, object, str]] = []
+    if model is not None and is_user_class(type(model)):
+        names.append(("self", model, "model"))
+    if trainer is not None:
+        names += _trainer_names(trainer, own)
+    return names
+
+
 class MemsentryCallback(TrainerCallback):
     """A ``TrainerCallback`` that tracks training with memsentry (see the module's text)."""
 
@@ -111,16 +134,7 @@ class MemsentryCallback(TrainerCallback):
         if trainer is not None:
             _guard(trainer, self.session)  # added after __init__: guards the next train()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
-        names: list[tuple[str, object, str]] = []
-        if model is not None and is_user_class(type(model)):
-            names.append(("self", model, "model"))
-        if trainer is not None:
-            if is_user_class(type(trainer)):
-                names.append(("self", trainer, "Trainer"))
-            names += [("self", callback, "callback")
-                      for callback in trainer.callback_handler.callbacks
-                      if callback is not self and is_user_class(type(callback))]
-        self.session.start(model, names)
+        self.session.start(model, _framework_names(model, trainer, self))
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The epoch's evaluation comes after this hook: its census is taken in on_evaluate.

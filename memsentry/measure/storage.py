@@ -104,6 +104,30 @@ def _numbers_as_tensors(func: Any, args: Any, kwargs: dict[str, Any]
     return new_args, new_kwargs
 
 
+def _input_storages(func: Any, args: Any, kwargs: dict[str, Any]) -> set[int]:
+    """The storages of an op's inputs. Views and in-place results share an input's storage:
+    not new memory, and when the input predates tracking it belongs to the baseline."""
+    if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
+        return set()
+    given = tensors_of(args)
+    if kwargs:
+        given += tensors_of(kwargs)
+    return {storage_pointer(t) for t in given}
+
+
+def _run_op(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run one op. TorchScript passes a number it keeps as a tensor (a traced shape check's
+    ``aten::equal``) to a Python mode as a Python number, which the op then refuses before
+    running. Given back as the 0-dimensional tensor it was, the op runs."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as error:
+        if _WRAPPED_NUMBER not in str(error):
+            raise
+        args, kwargs = _numbers_as_tensors(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
 class _CountingMode(TorchDispatchMode):
     """A dispatch mode that steps aside while torch.compile traces and compiles (Dynamo
     refuses to compile under other dispatch modes): it sees the eager ops around compiled
@@ -192,32 +216,21 @@ class StorageCounter(_CountingMode):
     def dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
         """Run one op and count the storages it made."""
         kwargs = kwargs or {}
-        # Views and in-place results share an input's storage: not new memory, and when the
-        # input predates tracking it belongs to the baseline.
-        given = tensors_of(args)
-        if kwargs:
-            given += tensors_of(kwargs)
-        inputs = {storage_pointer(t) for t in given}
-        if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
-            inputs = set()
-        try:
-            out = func(*args, **kwargs)
-        except RuntimeError as error:
-            # TorchScript passes a number it keeps as a tensor (a traced shape check's
-            # ``aten::equal``) to a Python mode as a Python number, which the op then refuses
-            # before running. Given back as the 0-dimensional tensor it was, the op runs.
-            if _WRAPPED_NUMBER not in str(error):
-                raise
-            args, kwargs = _numbers_as_tensors(func, args, kwargs)
-            out = func(*args, **kwargs)
+        inputs = _input_storages(func, args, kwargs)
+        out = _run_op(func, args, kwargs)
         if self._freed:  # before counting: a new storage may take a freed one's address
             self.settle()
+        self._count(out, inputs)
+        return out
+
+    def _count(self, out: Any, inputs: set[int]) -> None:
+        """Count the new storages among an op's results: those on the CPU, and those on other
+        devices when they are counted too."""
         for leaf in tensors_of(out):
             if leaf.device.type == "cpu":
                 self._see(leaf, inputs)
             elif self.device_live is not None:
                 self._see_device(leaf, inputs)
-        return out
 
     @staticmethod
     def _new_storage(tensor: torch.Tensor, inputs: set[int],

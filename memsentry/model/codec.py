@@ -20,7 +20,7 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from memsentry.errors import ReportError
@@ -63,35 +63,63 @@ def _fields(cls: type) -> tuple[tuple[str, Any, bool, bool], ...]:
     )
 
 
+def _whole(data: int) -> str:
+    """A whole number, or how many digits it has when it has more than 24."""
+    digits = len(str(abs(data)))
+    return str(data) if digits <= 24 else f"a whole number of {digits} digits"
+
+
+def _text(data: str) -> str:
+    """A string quoted, its first 40 characters when it is longer."""
+    return repr(data if len(data) <= 40 else data[:40] + "…")
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 item``, ``2 items``."""
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+#: How :func:`found` spells each JSON type, in the order checked (``bool`` before ``int``,
+#: which it is a kind of).
+_SPELLINGS: tuple[tuple[type, Callable[[Any], str]], ...] = (
+    (bool, lambda data: "true" if data else "false"),
+    (int, _whole),
+    (float, repr),
+    (str, _text),
+    (list, lambda data: f"a list of {_counted(len(data), 'item')}"),
+    (dict, lambda data: f"an object with {_counted(len(data), 'key')}"),
+)
+
+
 def found(data: Any) -> str:
     """What a plain value is, for a message: its JSON spelling, shortened."""
     if data is None:
         return "null"
-    if isinstance(data, bool):
-        return "true" if data else "false"
-    if isinstance(data, int):
-        digits = len(str(abs(data)))
-        return str(data) if digits <= 24 else f"a whole number of {digits} digits"
-    if isinstance(data, float):
-        return repr(data)
-    if isinstance(data, str):
-        return repr(data if len(data) <= 40 else data[:40] + "…")
-    if isinstance(data, list):
-        return f"a list of {len(data)} item{'s' * (len(data) != 1)}"
-    if isinstance(data, dict):
-        return f"an object with {len(data)} key{'s' * (len(data) != 1)}"
+    for kind, spell in _SPELLINGS:
+        if isinstance(data, kind):
+            return spell(data)
     return type(data).__name__
+
+
+#: The names of the generic types whose arguments the messages leave out.
+_GENERIC_NAMES: Mapping[Any, str] = types.MappingProxyType({tuple: "a list", dict: "an object"})
 
 
 def _name(kind: Any) -> str:
     """A type as the messages spell it."""
-    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
         return " or ".join("null" if arm is type(None) else _name(arm)
                            for arm in typing.get_args(kind))
-    if typing.get_origin(kind) is tuple:
-        return "a list"
-    if typing.get_origin(kind) is dict or kind is Any:
-        return "an object" if kind is not Any else "plain data"
+    if kind is Any:
+        return "plain data"
+    if origin in _GENERIC_NAMES:
+        return _GENERIC_NAMES[origin]
+    return _class_name(kind)
+
+
+def _class_name(kind: Any) -> str:
+    """A class (a dataclass, an enum, a scalar) as the messages spell it."""
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return f"an object ({kind.__name__})"
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -120,6 +148,11 @@ def from_plain(kind: Any, data: Any, where: str = "value", *, signed: bool = Fal
         return _tuple(kind, data, where, signed, depth)
     if origin is dict:
         return _dict(kind, data, where, depth)
+    return _of_class(kind, data, where, signed, depth)
+
+
+def _of_class(kind: Any, data: Any, where: str, signed: bool, depth: int) -> Any:
+    """A value of a class: a dataclass, an enum, a number, a string or a bool."""
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return build(kind, data, where, depth=depth)
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -127,10 +160,15 @@ def from_plain(kind: Any, data: Any, where: str = "value", *, signed: bool = Fal
     if kind in (int, float):
         return _number(kind, data, where, signed)
     if kind in (str, bool):
-        if not isinstance(data, kind):
-            raise _bad(where, kind.__name__, data)
-        return data
+        return _exactly(kind, data, where)
     raise TypeError(f"memsentry's codec cannot read a field of type {kind!r} ({where})")
+
+
+def _exactly(kind: type, data: Any, where: str) -> Any:
+    """``data`` when it is a ``kind`` (a string, a bool)."""
+    if not isinstance(data, kind):
+        raise _bad(where, kind.__name__, data)
+    return data
 
 
 def _within_depth(depth: int, where: str) -> None:
@@ -184,24 +222,44 @@ def _tuple(kind: Any, data: Any, where: str, signed: bool, depth: int) -> tuple[
                  for i, (arg, item) in enumerate(zip(args, data, strict=True)))
 
 
+def _is_number(kind: type, data: Any) -> bool:
+    """Whether ``data`` is a JSON number that can be a ``kind``: not a bool, and not a float
+    where an int belongs."""
+    if isinstance(data, bool) or not isinstance(data, int | float):
+        return False
+    return not (kind is int and isinstance(data, float))
+
+
+def _as_float(data: int | float, where: str) -> float:
+    """``data`` as a float; a whole number too large for one is refused."""
+    try:
+        return float(data)
+    except OverflowError:  # a whole number of 309 digits or more
+        raise _bad(where, "float below 2**64", data) from None
+
+
+def _out_of_range(kind: type, value: int | float, signed: bool) -> str | None:
+    """What a number of ``kind`` is expected to be, when ``value`` is not: finite, 0 or more
+    unless ``signed``, below 2**64 in size; ``None`` when it is."""
+    name = kind.__name__
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"a finite {name}"
+    if not signed and value < 0:
+        return f"{name} of 0 or more"
+    if abs(value) >= LIMIT:
+        return f"{name} below 2**64"
+    return None
+
+
 def _number(kind: type, data: Any, where: str, signed: bool) -> int | float:
     """An int, or a float (a JSON whole number is one too), finite, below 2**64 in size and,
     unless ``signed``, 0 or more."""
-    if isinstance(data, bool) or not isinstance(data, int | float) or (
-            kind is int and isinstance(data, float)):
+    if not _is_number(kind, data):
         raise _bad(where, kind.__name__, data)
-    value = data
-    if kind is float:
-        try:
-            value = float(data)
-        except OverflowError:  # a whole number of 309 digits or more
-            raise _bad(where, "float below 2**64", data) from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _bad(where, f"a finite {kind.__name__}", data)
-    if not signed and value < 0:
-        raise _bad(where, f"{kind.__name__} of 0 or more", data)
-    if abs(value) >= LIMIT:
-        raise _bad(where, f"{kind.__name__} below 2**64", data)
+    value = _as_float(data, where) if kind is float else data
+    expected = _out_of_range(kind, value, signed)
+    if expected is not None:
+        raise _bad(where, expected, data)
     return value
 
 

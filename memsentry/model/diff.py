@@ -219,12 +219,17 @@ class ReportDiff:
     def unchanged(self) -> bool:
         """Nothing changed: the same peak, growth, iterations, layer figures, categories and
         findings (persisting findings may differ in their figures)."""
-        return not (
-            self.peak.changed or self.growth.changed or self.iterations.changed
-            or any(c.bytes.changed for c in self.categories)
-            or any(layer.size or layer.added or layer.removed for layer in self.layers)
-            or self.appeared or self.disappeared
-        )
+        return not (self._figures_changed() or self._layers_changed()
+                    or self.appeared or self.disappeared)
+
+    def _figures_changed(self) -> bool:
+        """The peak, the growth, the iterations or a category at the highest peak changed."""
+        return (self.peak.changed or self.growth.changed or self.iterations.changed
+                or any(c.bytes.changed for c in self.categories))
+
+    def _layers_changed(self) -> bool:
+        """A layer's figures changed, or a layer was added or removed."""
+        return any(layer.size or layer.added or layer.removed for layer in self.layers)
 
 
 @dataclass(frozen=True)

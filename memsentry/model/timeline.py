@@ -27,6 +27,9 @@ class LayerStats:
     - ``backward_delta`` / ``backward_peak``: the same around the module's backward.
     - ``measured_calls``: the forward calls whose memory was read (the others were counted
       only, when measuring every call would have cost more than ``track(overhead=...)``).
+    - ``calls_complete``: whether ``calls`` counts every call; ``False`` when some ran with
+      no hook of memsentry's on the module (a light iteration, a window of layers without
+      it), so that ``calls`` is a lower bound.
     """
 
     name: str
@@ -43,6 +46,7 @@ class LayerStats:
     backward_calls: int = 0
     is_leaf: bool = True
     measured_calls: int = 0
+    calls_complete: bool = True
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ the only mutable state of memsentry.
 """
 
 from memsentry.record.options import OnLeak, Options
+from memsentry.record.policy import census_due
 from memsentry.record.recorder import Recorder
-from memsentry.record.schedule import census_due
 
 __all__ = ["OnLeak", "Options", "Recorder", "census_due"]

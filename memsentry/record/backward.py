@@ -9,7 +9,6 @@ multi-grad hooks: they cost the least inside the autograd engine (measured 1.010
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +77,7 @@ class BackwardTimer:
         def open_backward(_grad_outputs: Any) -> None:
             if call.state or not self.active:
                 return
-            started = time.perf_counter()
+            started = self._coverage.clock()
             allocated = self._sampler.sample()
             call.state, call.start, call.peak = BackwardCall.RUNNING, allocated, allocated
             self.running[id(call)] = call
@@ -91,7 +90,7 @@ class BackwardTimer:
         def close_backward(_grad_outputs: Any) -> None:
             if call.state != BackwardCall.RUNNING or not self.active:
                 return
-            started = time.perf_counter()
+            started = self._coverage.clock()
             if self._sampler.parts.due:
                 self._sampler.parts.add_gradients(call.record.own_params)
             self._finish(call, self._sampler.sample())
@@ -108,7 +107,7 @@ class BackwardTimer:
         """End of a backward pass: close the calls whose inputs needed no gradient."""
         if not self.active:
             return
-        started = time.perf_counter()
+        started = self._coverage.clock()
         if self._sampler.parts.due:
             self._sampler.parts.read_gradients()
         allocated = self._sampler.sample()

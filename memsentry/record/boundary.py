@@ -10,10 +10,8 @@ while (often enough for the growth rules, within the budget), and the layers' ho
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memsentry.model import Boundary, IterationStats
 from memsentry.record.backward import BackwardTimer
@@ -23,31 +21,23 @@ from memsentry.record.forward import ForwardRecorder
 from memsentry.record.growth import GrowthEvidence
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.parts import Parts
+from memsentry.record.policy import (
+    HookState,
+    IterationPlan,
+    Signal,
+    census_in,
+    ends_unhooked,
+    passes,
+    plan_next,
+)
 from memsentry.record.ranks import remember_store
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
-from memsentry.record.schedule import FIRST_CENSUS, CensusSchedule, census_due
+from memsentry.record.schedule import CensusSchedule
 from memsentry.record.signals import Signals
 from memsentry.record.threads import mark_activity
 from memsentry.record.timeline import IterationClock, Timeline
 from memsentry.record.workers import reading_seconds
-
-if TYPE_CHECKING:
-    from torch import nn
-
-#: The share of the budget that reading light iterations' boundaries may take.
-READ_SHARE = 0.5
-#: Boundaries passed with a count only, in a row, at most.
-MAX_PASSED = 256
-
-
-def next_census(index: int) -> int:
-    """The first iteration after ``index`` whose boundary the schedule has a census for."""
-    following = index + 1
-    while not census_due(following):
-        gap = following - FIRST_CENSUS
-        following = FIRST_CENSUS + (1 << gap.bit_length()) if gap >= 4 else following + 1
-    return following
 
 
 class Boundaries:
@@ -80,6 +70,8 @@ class Boundaries:
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
         self._workers_read = reading_seconds()  # charged to the budget up to here
+        self._now = budget.clock
+        self.plan: IterationPlan | None = None  # the running iteration's, from the policy
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
         """Whether the boundary ``event`` only counts an iteration: in a run of bare light
@@ -98,7 +90,7 @@ class Boundaries:
         calls, or when none could be seen (a bare light iteration hooks no module), or when
         no iteration ended at all."""
         if self._passed:
-            self._budget.end_iteration(time.perf_counter() - self._clock.started, self._passed)
+            self._budget.end_iteration(self._now() - self._clock.started, self._passed)
             self.skip = 0  # _passed stays: the closing below spans those boundaries
         if self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
             self.close(Boundary.EXIT)
@@ -107,7 +99,7 @@ class Boundaries:
     def close(self, boundary: Boundary, *, merge: bool = False) -> None:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
-        began = time.perf_counter()
+        began = self._now()
         if boundary != Boundary.EXIT:
             mark_activity()  # an iteration of this thread's loop (see Owner.others)
         read = reading_seconds()  # the workers' readings ran in this iteration's time
@@ -120,7 +112,7 @@ class Boundaries:
         else:
             census = self._close_full(boundary, began, merge=merge)
             light = False
-        spent = time.perf_counter() - began - census
+        spent = self._now() - began - census
         self._budget.charge(BOUNDARIES, spent)
         if light:
             self._close_cost = spent
@@ -152,7 +144,7 @@ class Boundaries:
             self._settle_calls()
         census = self._pending_census()
         if census:
-            now = time.perf_counter()  # the census's own time is not the loop's
+            now = self._now()  # the census's own time is not the loop's
             allocated = sampler.sample()
         self._advance(boundary, closing.seconds, now)
         sampler.begin_iteration(allocated)
@@ -178,7 +170,7 @@ class Boundaries:
             self._settle_calls()
         census = self._pending_census()
         if census:
-            now = time.perf_counter()
+            now = self._now()
         self._advance(boundary, seconds, now, iterations=passed + 1)
         self._sampler.begin_iteration(allocated)
         if self._forward.hooks.bare or self._signals.signal in (Boundary.FORWARD,
@@ -189,48 +181,28 @@ class Boundaries:
         return census
 
     def _to_pass(self, each: float) -> int:
-        """How many of the next boundaries only count (``each``: the loop's seconds per
-        iteration): as many as keep closing light iterations (reading their boundary)
-        within :data:`READ_SHARE` of the budget, and no more than until a census falls due;
-        none when the next iteration is sampled. (Passing fewer as the budget nears the
-        price of a sampled iteration would let the reading eat what sampling waits for.)"""
-        share = self._budget.share
-        if share is None or self._budget.short() <= 0:
-            return 0
-        earned = share * max(each, 1e-9)  # what an iteration pays into the budget
-        passes = math.ceil(self._close_cost / (READ_SHARE * earned)) - 1
-        running = self._clock.index  # the iteration that began: its boundary is the first
-        passes = min(passes, MAX_PASSED, next_census(running - 1) - running)
-        return max(0, passes)
+        """How many of the next boundaries only count (:func:`~memsentry.record.policy.
+        passes`), ``each`` the loop's seconds per iteration."""
+        return passes(self._budget.account(), each=each, closing=self._close_cost,
+                      running=self._clock.index, tuning=self._budget.tuning)
 
-    def _bare(self) -> bool:
-        """Whether the next iteration, light, can go without any module hook
-        (:mod:`memsentry.record.hooks`): its end needs none (:meth:`ends_unhooked`), no
-        census waits for its first module call, and no forward runs now."""
-        return (self.ends_unhooked() and self._censuses.pending is None
-                and not self._forward.stack)
+    def _signal(self) -> Signal:
+        """The loop's iteration signal, as the policy reads it."""
+        signal = self._signals.signal
+        return Signal(step=signal in (Boundary.OPTIMIZER, Boundary.STEP),
+                      backward=signal is Boundary.BACKWARD,
+                      seen=self._signals.passes_wrapped, forward=signal is Boundary.FORWARD)
 
     def ends_unhooked(self) -> bool:
-        """Whether the running iteration is light and its end comes from an optimizer step,
-        ``t.step()`` or a backward pass the wrapped ``torch.autograd.backward`` sees end (each
-        pass so far was seen so): no module hook is needed to close it. (A census pending
-        keeps the hooks on until its first module call has taken it.)"""
-        signal = self._signals.signal
-        ends = signal in (Boundary.OPTIMIZER, Boundary.STEP) or (
-            signal is Boundary.BACKWARD and self._signals.passes_wrapped)
-        return ends and self._budget.light
+        """Whether the running iteration is light and its end needs no module hook (an
+        optimizer step, ``t.step()``, or a backward pass the wrapped
+        ``torch.autograd.backward`` sees end)."""
+        return self._budget.light and ends_unhooked(self._signal())
 
-    def _lean(self) -> nn.Module | None:
-        """The one module the next iteration hooks, when it is light and the calls of the
-        first outermost module end iterations (``None`` otherwise)."""
-        if not self._budget.light or self._signals.signal is not Boundary.FORWARD:
-            return None
-        return self._signals.first()
-
-    def aside(self, started: float) -> None:
+    def unclocked(self, started: float) -> None:
         """Work of memsentry's since ``started`` at a boundary (the alarm rewriting the
         report file): charged to the budget's judging, and not the loop's time."""
-        spent = time.perf_counter() - started
+        spent = self._now() - started
         self._budget.charge(ANALYSIS, spent, inside=False)
         self._clock.started += spent
 
@@ -242,7 +214,7 @@ class Boundaries:
     def census_at_call(self) -> float:
         """The first outermost call of an iteration takes the census pending since its
         boundary (if any); its seconds. When the census was all that kept this light
-        iteration's hooks on, they come off as the call ends (:meth:`_bare`): the hundreds of
+        iteration's hooks on, they come off as the call ends (a bare plan): the hundreds of
         forwards after it in an episode run with no hook."""
         if self._censuses.pending is None:
             return 0.0
@@ -258,27 +230,39 @@ class Boundaries:
 
     def _advance(self, boundary: Boundary, seconds: float, now: float, *,
                  iterations: int = 1) -> None:
-        """Plan the census, size the next iteration's measuring, and begin it at ``now``
-        (``iterations``: the iterations ending, the passed ones with this one)."""
+        """Plan the census, bring the account and the window up to date, apply the policy's
+        plan of the next iteration to the hooks, and begin it at ``now`` (``iterations``: the
+        iterations ending, the passed ones with this one)."""
         index = self._clock.index
         if self._holders and boundary != Boundary.EXIT:
-            due = next_census(index - iterations) <= index  # one in the iterations ending
-            growth = self.growth
-            if growth is not None:
-                growth.add(self._sampler.last)
-                if growth.asks():
-                    due = True
-                if due:
-                    growth.planned()
-            self._censuses.plan(index, due=due)
+            self._censuses.plan(index, due=self._census_wanted(index, iterations))
         remember_store()  # a script may destroy its process group before the block ends
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
             self._budget.end_iteration(seconds, iterations, began=now)
+        plan = plan_next(self._budget.account(), self._coverage.current, self._signal(),
+                         index=index + 1, census_pending=self._censuses.pending is not None,
+                         forward_running=bool(self._forward.stack),
+                         tuning=self._budget.tuning)
+        self.plan = plan
         self._forward.unhook_after = False
-        self._forward.hooks.follow(bare=self._bare(), lean=self._lean())
+        lean = self._signals.first() if plan.hooks is HookState.LEAN else None
+        self._forward.hooks.follow(bare=plan.hooks is HookState.BARE, lean=lean)
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).
-        self._roots.thin = self._signals.signal in (Boundary.FORWARD, Boundary.OPTIMIZER,
-                                                    Boundary.STEP)
+        signal = self._signal()
+        self._roots.thin = signal.step or signal.forward
         self._clock.advance(now)
+
+    def _census_wanted(self, index: int, iterations: int) -> bool:
+        """Whether a census is due at the boundary that closes ``index`` (with the
+        ``iterations`` passed before it): the schedule has one in them, or under ``watch()``
+        memory left at boundaries climbs."""
+        due = census_in(index, iterations, self._budget.tuning)
+        growth = self.growth
+        if growth is not None:
+            growth.add(self._sampler.last)
+            due = growth.asks() or due  # asks() keeps the floor's first reading
+            if due:
+                growth.planned()
+        return due

@@ -1,49 +1,39 @@
-"""One budget for everything memsentry does while a loop runs.
+"""The ledger of one recorder: every part of memsentry's work clocked, and the time account
+the policy (:mod:`memsentry.record.policy`) decides from.
 
 Every part of memsentry's work is clocked into one ledger: the module hooks (and what PyTorch
 adds to a call for having hooks at all), the saved-tensor and backward hooks, the work at
 iteration boundaries, reading the four parts, the holder searches (censuses) and running the
-rules while the loop runs. The budget is a share of the loop's own time, kept like one bank
-account: each iteration of the loop pays ``share`` times its own time into it, and both kinds
-of work are paid from it.
-
-- *Judging* (censuses, and the rules run on their results) comes first: a census that is due
-  waits until the account holds what the last one cost (the seven of iterations 2 to 34 are
-  taken when due, whatever it holds: they decide a short run's trends), and while it waits,
-  that sum is put aside for it.
-- *Measuring* (hooks, boundaries, parts) is paid from the rest. An iteration is *sampled*
-  (every layer call measured, saved tensors and backwards attributed, the parts read) when
-  the account holds what a sampled iteration costs over a light one; otherwise it is
-  *light*: only its boundaries are read, some of them, and no module keeps a hook (or only
-  the module whose calls end its iterations). A sampled iteration that spends more than the
-  account held counts its remaining calls instead of measuring them.
-- The first :data:`SAMPLED_FIRST` iterations are sampled whatever the account holds, so that
-  every layer has figures from the start; but once measuring in one of them has taken more
-  than :data:`FIRST_SHARE` of the loop's own time in it so far (and more than
-  :data:`FIRST_FLOOR`), it measures only the calls of layers never measured and counts the
-  others. An episode of 200 small forwards, or a model of 2,000 layers on a heap where each
-  read of ``mallinfo2()`` takes 100 us, would otherwise cost several times its own time in
-  each of them.
-
-A program's start (Python, importing torch: 1 to 3 s on this project's machines) is part of
-its wall time, so judging has a credit of :data:`STARTUP_SHARE` (or the budget's own share
-when smaller: ``watch()``'s 1%) of the time the process ran untracked since it began or since
-the last tracking ended (:data:`STARTUP_CREDIT` seconds of it at most): the first censuses of
-a short run are paid for at once, and the whole program stays within 1.1 times its time
-without memsentry, however many trackers it runs.
-Measuring never spends the credit.
-
-So whatever the step size, memsentry's time stays near ``share`` of the loop's, and a loop of
-large steps (where measuring costs little next to the step) is sampled in every iteration.
+rules while the loop runs. Measuring (hooks, boundaries, parts) and judging (censuses,
+analysis) are paid from one account that earns ``share`` of the loop's own time at every
+iteration; judging also has a credit for the program's life before tracking (a program's
+start, Python and importing torch, is part of its wall time: 1 to 3 s here), so that the
+first censuses of a short run are paid for at once and the whole program stays within 1.1
+times its time without memsentry, however many trackers it runs.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 from memsentry.model import Cost, PartCost
+from memsentry.record.clock import Clock
+from memsentry.record.policy import (
+    DEFAULT,
+    Account,
+    Ended,
+    Kind,
+    Tuning,
+    bank,
+    credit_for,
+    held,
+    is_first,
+    next_kind,
+    overdrawn,
+    prices_after,
+    shortfall,
+)
 
 #: The parts of the ledger.
 HOOKS = "module hooks"
@@ -55,55 +45,33 @@ WORKERS = "workers"  # reading the DataLoader workers' memory (inside the batch 
 CENSUSES = "censuses"
 ANALYSIS = "analysis"
 LEDGER = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, WORKERS, CENSUSES, ANALYSIS)
-#: Seconds of the program's life before tracking began that the censuses' account is
-#: credited for, at most, and the share of them it may spend.
-STARTUP_CREDIT = 10.0
-STARTUP_SHARE = 0.05
-#: What measuring and judging are charged to.
-MEASURING = (HOOKS, SAVED, BACKWARD, BOUNDARIES, PARTS, WORKERS)
+#: What judging is charged to; measuring is charged to the other parts.
 JUDGING = (CENSUSES, ANALYSIS)
-#: Iterations sampled whatever the account holds, so every layer has figures from the start.
-SAMPLED_FIRST = 3
-#: In those, measuring stops at layers already measured once memsentry's own time in the
-#: iteration is over this share of the loop's own time in it so far, and over the floor.
-FIRST_SHARE = 0.25
-FIRST_FLOOR = 2e-3
-#: memsentry's time in the first iterations (seconds) past which the report says what they
-#: cost, when that is over the budget's share of the loop's time in them.
-FIRST_NOTED = 0.1
-#: How the price of a sampled iteration falls back after a dear one: by this factor at each
-#: sampled iteration that cost less.
-SAMPLED_DECAY = 0.8
-#: What PyTorch adds to a module call for having a pre and a post hook that return at once
-#: (5.9 us, measured on this project's CI machine).
-DISPATCH = 6e-6
-#: What a census costs until one was clocked (a small process: 5 to 30 ms here).
-CENSUS_GUESS = 0.02
 
 
-class _Untracked:
-    """When the process last ran untracked: since its start, or since the last tracking
-    ended; while any tracker runs, it does not."""
+class Untracked:
+    """When the process last ran untracked: since its start (``age``), or since the last
+    tracking ended (on ``clock``, the wall clock of the process); while any tracker runs, it
+    does not."""
 
-    def __init__(self) -> None:
+    def __init__(self, age: Clock | None = None, clock: Clock = time.monotonic) -> None:
         self.running = 0
-        self.since: float | None = None  # time.monotonic() when tracking last ended
+        self.since: float | None = None  # the clock's reading when tracking last ended
+        self._age = age if age is not None else process_age
+        self._clock = clock
 
     def begin(self) -> float:
         """A tracker begins: the seconds the process ran untracked until now."""
-        now = time.monotonic()
+        now = self._clock()
         self.running += 1
         if self.running > 1:
             return 0.0
-        return now - self.since if self.since is not None else process_age()
+        return now - self.since if self.since is not None else self._age()
 
     def end(self) -> None:
         self.running = max(0, self.running - 1)
         if not self.running:
-            self.since = time.monotonic()
-
-
-UNTRACKED = _Untracked()
+            self.since = self._clock()
 
 
 def process_age() -> float:
@@ -126,22 +94,32 @@ def _ticks() -> int:
         return 100
 
 
+#: The process's one record of when it last ran untracked.
+UNTRACKED = Untracked()
+
+
 class Budget:
-    """The ledger of one recorder, and what it may still afford.
+    """The ledger of one recorder, and the account the policy reads (:meth:`account`).
 
-    ``share`` is the share of the loop's own time memsentry may take (``None``: no limit, every
-    iteration sampled and every census taken when due). ``light`` says whether the running
-    iteration is light."""
+    ``share`` is the share of the loop's own time memsentry may take (``None``: no limit,
+    every iteration sampled and every census taken when due). ``light`` says whether the
+    running iteration is light (set from the plan at each boundary). ``clock`` is the one
+    clock of the recorder (``time.perf_counter`` unless a test gives another)."""
 
-    def __init__(self, share: float | None, *, credit: float | None = None) -> None:
+    def __init__(self, share: float | None, *, credit: float | None = None,
+                 tuning: Tuning = DEFAULT, clock: Clock = time.perf_counter,
+                 untracked: Untracked | None = None) -> None:
         self.share = share
+        self._untracked = untracked if untracked is not None else UNTRACKED
+        self.tuning = tuning
+        self.clock = clock
         self.light = False
         self.loop = 0.0  # the loop's own seconds so far
         self._given = credit  # the untracked seconds to credit (None: as the process ran)
-        self.credit = 0.0  # seconds memsentry may spend before the loop earned any
+        self.credit = 0.0  # seconds judging may spend before the loop earned any
         self.reserved = 0.0  # put aside for a census that waits for the account
         if credit is not None:
-            self.credit = self._credit_for(credit)
+            self.credit = credit_for(credit, share, tuning)
         self._open = False
         self._seconds = dict.fromkeys(LEDGER, 0.0)
         self._events = dict.fromkeys(LEDGER, 0)
@@ -151,10 +129,9 @@ class Budget:
         self.iterations = 0
         self.sampled = 0
         self.deferred = 0
-        self._sampled_cost = 0.0  # own seconds a sampled iteration may cost (see below)
+        self._prices = (0.0, 0.0)  # own seconds of a sampled and of a light iteration
         self._cut = False  # the running sampled iteration stopped measuring (overdrawn)
-        self._light_cost = 0.0  # own seconds of the last light one
-        self._began = time.perf_counter()  # when the running iteration began
+        self._began = clock()  # when the running iteration began
         self._judged_began = 0.0  # what judging had spent then
         self._first = (0.0, 0.0)  # own and loop seconds inside the first iterations
 
@@ -162,20 +139,15 @@ class Budget:
         """Tracking begins: the judging account is credited for the untracked time before."""
         if not self._open:
             self._open = True
-            untracked = UNTRACKED.begin()
+            untracked = self._untracked.begin()
             if self._given is None:
-                self.credit = self._credit_for(untracked)
-            self._began = time.perf_counter()
-
-    def _credit_for(self, untracked: float) -> float:
-        """The judging credit for ``untracked`` seconds before tracking began."""
-        share = STARTUP_SHARE if self.share is None else min(STARTUP_SHARE, self.share)
-        return share * min(untracked, STARTUP_CREDIT)
+                self.credit = credit_for(untracked, self.share, self.tuning)
+            self._began = self.clock()
 
     def close(self) -> None:
         if self._open:
             self._open = False
-            UNTRACKED.end()
+            self._untracked.end()
 
     # -- the ledger ----------------------------------------------------------------------
     def charge(self, part: str, seconds: float, events: int = 1, *, inside: bool = True) -> None:
@@ -191,42 +163,40 @@ class Budget:
             self._inside += seconds
 
     def since(self, part: str, started: float, events: int = 1) -> None:
-        """Charge ``part`` with the time since ``started`` (``time.perf_counter()``)."""
-        self.charge(part, time.perf_counter() - started, events)
+        """Charge ``part`` with the time since ``started`` (a reading of :attr:`clock`)."""
+        self.charge(part, self.clock() - started, events)
+
+    def account(self) -> Account:
+        """The account as the policy reads it."""
+        sampled, light = self._prices
+        return Account(share=self.share, loop=self.loop, credit=self.credit, spent=self.spent,
+                       judged=self.judged, reserved=self.reserved, iterations=self.iterations,
+                       sampled_price=sampled, light_price=light)
 
     @property
     def held(self) -> float:
         """Seconds the account holds (``inf`` without a limit)."""
-        if self.share is None:
-            return math.inf
-        return self.share * self.loop + self.credit - self.spent - self.judged
+        return held(self.share, self.loop, self.credit, self.spent, self.judged)
 
     @property
     def bank(self) -> float:
-        """Seconds memsentry may still spend measuring: what the account holds less the
-        credit judging has not spent (the credit is for censuses) and what a waiting census
-        needs (``inf`` without a limit)."""
-        if self.share is None:
-            return math.inf
-        return self.held - max(0.0, self.credit - self.judged) - self.reserved
+        """Seconds measuring may still spend (``inf`` without a limit)."""
+        return bank(self.held, self.credit, self.judged, self.reserved)
 
     def overdrawn(self) -> bool:
-        """Whether a sampled iteration has spent more than it may: past the first ones, more
-        than the budget held (an episode far longer than the last one sampled); in the first
-        ones, more than :data:`FIRST_SHARE` of the loop's own time in it so far. Its calls of
-        layers already measured are then counted, not measured. Marks the iteration as cut,
-        so that its cost does not lower the price of the next sampled one."""
+        """Whether the running sampled iteration has spent more than it may
+        (:func:`memsentry.record.policy.overdrawn`): its calls of layers already measured
+        are then counted, not measured. Marks the iteration as cut, so that its cost does
+        not lower the price of the next sampled one."""
         if self.share is None:
             return False
-        if self.first:
-            own = self._inside
-            if own <= FIRST_FLOOR:
-                return False
-            loop = max(0.0, time.perf_counter() - self._began - own
+        first = self.first
+        loop = 0.0
+        if first:  # the loop's own time in the iteration so far
+            loop = max(0.0, self.clock() - self._began - self._inside
                        - (self.judged - self._judged_began))
-            if own <= FIRST_SHARE * loop:
-                return False
-        elif self.bank >= 0:
+        if not overdrawn(self.bank, first=first, own=self._inside, loop=loop,
+                         tuning=self.tuning):
             return False
         self._cut = True
         return True
@@ -235,40 +205,34 @@ class Budget:
     def first(self) -> bool:
         """Whether the running iteration is one of the first, sampled whatever the account
         holds."""
-        return self.iterations < SAMPLED_FIRST
-
-    def afford(self, seconds: float) -> bool:
-        """Whether judging (a census, the rules after it) can spend ``seconds`` now."""
-        return self.held >= seconds
+        return is_first(self.iterations, self.tuning)
 
     # -- iterations ----------------------------------------------------------------------
     def end_iteration(self, seconds: float, iterations: int = 1, *,
-                      began: float | None = None) -> None:
+                      began: float | None = None) -> Ended:
         """The running iteration (or ``iterations`` light ones) ended after ``seconds`` of
-        clocked time; decides whether the next one is sampled. ``began``: when the next one
-        began on the iteration clock (``time.perf_counter()``; the boundary's own work,
-        charged after this call, is inside it); now when not given."""
+        clocked time: the loop's time and the prices are brought up to date, and the next
+        iteration is sampled or light as the policy says. ``began``: when the next one began
+        on the iteration clock (the boundary's own work, charged after this call, is inside
+        it); now when not given. Returns the facts of the ended iteration."""
         own = self._inside
         self._inside = 0.0
         self.loop += max(0.0, seconds - own)
         if self.first:
             spent, loop = self._first
             self._first = (spent + own, loop + max(0.0, seconds - own))
+        ended = Ended(index=self.iterations, seconds=seconds, own=own, light=self.light,
+                      cut=self._cut, iterations=iterations)
         self.iterations += iterations
-        if self.light:
-            self._light_cost = own / iterations
-        else:
+        if not self.light:
             self.sampled += 1
-            # Iterations of one loop differ (an RL episode's acting, then its updates): the
-            # dearest recent one sets the price, or one dear iteration after cheap ones
-            # would overdraw the budget each time the bank refills.
-            # One that stopped measuring half way says only that a whole one costs more.
-            decay = 1.0 if self._cut else SAMPLED_DECAY
-            self._sampled_cost = max(own, decay * self._sampled_cost)
+        account = prices_after(self.account(), ended, self.tuning)
+        self._prices = (account.sampled_price, account.light_price)
         self._cut = False
-        self.light = not (self.first or self.short() <= 0)
-        self._began = time.perf_counter() if began is None else began
+        self.light = next_kind(account, self.tuning)[0] is Kind.LIGHT
+        self._began = self.clock() if began is None else began
         self._judged_began = self.judged
+        return ended
 
     def merged(self, iterations: int, sampled: int) -> None:
         """``iterations`` ended iterations, ``sampled`` of them sampled, were parts of the one
@@ -279,7 +243,7 @@ class Budget:
     def short(self) -> float:
         """Seconds the bank lacks to pay for a sampled iteration over a light one (0 or
         less: it can)."""
-        return max(0.0, self._sampled_cost - self._light_cost) - self.bank
+        return shortfall(self.account())
 
     def cost(self) -> Cost:
         return Cost(
@@ -292,7 +256,7 @@ class Budget:
         )
 
 
-def budget_notes(cost: Cost) -> list[str]:
+def budget_notes(cost: Cost, tuning: Tuning = DEFAULT) -> list[str]:
     """What the report says when memsentry thinned out to keep its budget."""
     notes: list[str] = []
     if cost.budget is None:
@@ -306,13 +270,13 @@ def budget_notes(cost: Cost) -> list[str]:
             "the layer table comes from those iterations; the holder searches are whole. "
             "track(overhead=None) measures every iteration.")
     ran = cost.first_seconds + cost.first_loop_seconds
-    if cost.first_seconds >= FIRST_NOTED and cost.first_seconds > cost.budget * ran:
+    if cost.first_seconds >= tuning.first_noted and cost.first_seconds > cost.budget * ran:
         notes.append(
-            f"The first {SAMPLED_FIRST} iterations are measured whatever the budget holds, so "
-            f"that every layer has figures from the start: memsentry's clocked work took "
+            f"The first {tuning.sampled_first} iterations are measured whatever the budget "
+            "holds, so that every layer has figures from the start: memsentry's clocked work took "
             f"{cost.first_seconds:.2f} s of the {ran:.2f} s they ran (PyTorch's calls into "
             "its hooks come on top). Every layer is measured once in them; the other calls "
-            f"stop being measured once measuring took {FIRST_SHARE:.0%} of the loop's time. "
+            f"stop being measured once measuring took {tuning.first_share:.0%} of the loop's time. "
             "That is paid once: a longer run spreads it.")
     if cost.censuses_deferred:
         notes.append(

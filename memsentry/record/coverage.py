@@ -20,33 +20,29 @@ from __future__ import annotations
 import math
 import time
 
-from memsentry.record.budget import DISPATCH, HOOKS, Budget
-
-__all__ = ["DISPATCH", "FLOOR", "FULL_FIRST", "OVERHEAD", "Coverage", "coverage_notes"]
+from memsentry.record.budget import HOOKS, Budget
+from memsentry.record.clock import Clock
 from memsentry.record.layers import LayerRegistry
-from memsentry.settings import OVERHEAD
+from memsentry.record.policy import Ended, Window, next_window
 
-#: Own time per iteration (seconds) that never makes the window shrink, whatever the share:
-#: a loop of small steps is measured in full.
-FLOOR = 2e-3
-#: Iterations measured in full before the window may shrink.
-FULL_FIRST = 3
+__all__ = ["Coverage", "coverage_notes"]
 
 
 class Coverage:
-    """The window of measured layers, and the clock of the time spent measuring them.
+    """The window of measured layers (a :class:`~memsentry.record.policy.Window` the policy
+    sets at each boundary), and the clock of the time spent measuring them.
 
     ``overhead`` is the share of the loop's time measuring may take (``None``: no limit).
     Hooks add to ``own`` the seconds they spent on measured calls, and count every call they
-    saw in ``calls``; :meth:`end_iteration` sets the next window from them.
+    saw in ``calls``; :meth:`end_iteration` asks the policy for the next window.
     """
 
-    def __init__(self, overhead: float | None, budget: Budget | None = None) -> None:
+    def __init__(self, overhead: float | None, budget: Budget | None = None,
+                 clock: Clock = time.perf_counter) -> None:
         self.overhead = overhead
-        self.budget = budget if budget is not None else Budget(overhead)
-        self.layers = 0  # layers known (numbered 0 .. layers - 1)
-        self.size = math.inf  # layers measured per iteration
-        self.offset = 0  # the first layer of the window
+        self.budget = budget if budget is not None else Budget(overhead, clock=clock)
+        self.clock = clock
+        self.current = Window()
         self.own = 0.0
         self.calls = 0
         self.since: int | None = None  # the first iteration measured in part
@@ -58,23 +54,29 @@ class Coverage:
         self.thinned = 0
 
     @property
+    def layers(self) -> int:
+        """Layers known (numbered 0 .. layers - 1)."""
+        return self.current.layers
+
+    @property
     def full(self) -> bool:
-        return self.size >= self.layers and not self.budget.light
+        return self.current.full and not self.budget.light
 
     @property
     def light(self) -> bool:
-        """Whether the running iteration is light (:mod:`memsentry.record.budget`): no layer
-        it already knows is measured, only its boundaries."""
+        """Whether the running iteration is light: no layer it already knows is measured,
+        only its boundaries."""
         return self.budget.light
 
-    def measures(self, index: int, first: bool = False) -> bool:
-        """Whether the call of layer ``index`` is measured in this iteration; ``first``: no
-        call of that layer was measured yet (an iteration that overdrew still measures it)."""
-        if index >= self.layers:
+    def measures(self, index: int, overdrawn_too: bool = False) -> bool:
+        """Whether the call of layer ``index`` is measured in this iteration;
+        ``overdrawn_too``: even when the iteration overdrew the account (a layer no call of
+        which was measured yet is)."""
+        if index >= self.current.layers:
             return True  # a layer first seen in this iteration is measured
-        if self.budget.light or (not first and self.budget.overdrawn()):
+        if self.budget.light or (not overdrawn_too and self.budget.overdrawn()):
             return False
-        return self.size >= self.layers or (index - self.offset) % self.layers < self.size
+        return self.current.measures(index)
 
     def reads_parts(self, index: int) -> bool:
         """Whether an iteration whose outermost call is of layer ``index`` reads the parts:
@@ -86,19 +88,17 @@ class Coverage:
         """The layers measured in this iteration (``None``: all)."""
         if self.budget.light:
             return set()
-        if self.size >= self.layers:
-            return None
-        return {(self.offset + k) % self.layers for k in range(int(self.size))}
+        return self.current.members()
 
     def count(self, started: float, part: str = HOOKS) -> None:
-        """A hook that began at ``started`` (``time.perf_counter()``) measured a call."""
-        spent = time.perf_counter() - started
+        """A hook that began at ``started`` (a reading of the clock) measured a call."""
+        spent = self.clock() - started
         self.own += spent
         self.budget.charge(part, spent, 0)
 
-    def aside(self, started: float) -> None:
+    def counted(self, started: float) -> None:
         """A hook that began at ``started`` only counted a call (nothing measured)."""
-        self.budget.charge(HOOKS, time.perf_counter() - started, 0)
+        self.budget.charge(HOOKS, self.clock() - started, 0)
 
     def merged(self, into: int) -> None:
         """The iterations after ``into`` were merged into it (a stronger boundary came: the
@@ -110,35 +110,24 @@ class Coverage:
 
     def end_iteration(self, index: int, seconds: float, layers: int) -> None:
         """Iteration ``index`` ended after ``seconds``; ``layers`` layers are known now.
-        Sets the window of the next iteration: its size in proportion to the time left in
-        the budget (at most doubling at once), its start moved past this iteration's."""
-        own = self.own + DISPATCH * self.calls
-        self.budget.charge(HOOKS, DISPATCH * self.calls, self.calls)
-        was_full = self.size >= self.layers
-        if self.calls and not was_full and not self.budget.light:
+        The policy sets the window of the next iteration (:func:`~memsentry.record.policy.
+        next_window`); this keeps what the notes say of it."""
+        dispatched = self.budget.tuning.dispatch * self.calls
+        self.budget.charge(HOOKS, dispatched, self.calls)
+        was = self.current
+        if self.calls and not was.full and not self.budget.light:
             self.thinned += 1
+        ended = Ended(index=index, seconds=seconds, own=self.own, light=self.budget.light)
         self.own, self.calls = 0.0, 0
-        current = float(layers) if was_full else self.size
-        self.layers = layers
-        if self.overhead is None or index + 1 < FULL_FIRST or layers == 0 or self.budget.light:
-            return  # a light iteration measured nothing to judge the window by
-        loop = max(seconds - own, 1e-9)
-        allowed = max(self.overhead * loop, FLOOR)
-        if was_full and own <= allowed:
+        self.current = next_window(was, layers=layers, ended=ended, share=self.overhead,
+                                   dispatched=dispatched, tuning=self.budget.tuning)
+        if self.current.full:
             return
-        size = math.floor(current * min(2.0, allowed / own if own > 0 else 2.0))
-        if size >= layers:
-            self.size, self.offset = math.inf, 0
-            return
-        size = max(1, size)
-        if was_full:
+        if was.full:  # measuring every layer cost more than its share: from here in turn
+            own = ended.own + dispatched
             self.since = index + 1
-            self.busiest = (own, loop)
-            self.offset = 0
-        else:
-            self.offset = (self.offset + int(current)) % layers
-        self.size = size
-        self.narrowest = min(self.narrowest, size)
+            self.busiest = (own, max(seconds - own, 1e-9))
+        self.narrowest = min(self.narrowest, self.current.size)
 
 
 def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:

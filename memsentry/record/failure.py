@@ -127,7 +127,7 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
     else:
         phase = phase_of(error.__traceback__)
         total, moment = sampler.sample(), sampler.moment()
-        layer = moment[5] if phase is Phase.BACKWARD else None
+        layer = moment.layer if phase is Phase.BACKWARD else None
     parts = at_moment(moment, with_outside(sampler, total), phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
     sizes = figures(backend, str(error), watch)

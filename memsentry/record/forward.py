@@ -10,7 +10,6 @@ module running. Calls of other threads than the loop's, and calls inside a backw
 from __future__ import annotations
 
 import sys
-import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from memsentry.record.hooks import ModuleHooks
 from memsentry.record.invisible import install as install_invisibility
 from memsentry.record.invisible import uninstall as remove_invisibility
 from memsentry.record.layers import (
+    LayerRecord,
     LayerRegistry,
     compiled_original,
     storage_bytes,
@@ -215,33 +215,50 @@ class ForwardRecorder:
         self._enter(module, args, sys._getframe(1))
 
     def _enter(self, module: nn.Module, args: Any, frame: types.FrameType) -> None:
-        """A module call begins; ``frame`` runs it (``Module._call_impl``)."""
+        """A module call begins; ``frame`` runs it (``Module._call_impl``). A call that is
+        none of memsentry's business is left alone; one the coverage leaves out is only
+        counted (an outermost one of a sampled iteration is held on the stack); any other is
+        measured."""
         if self._aside(module):
             return
-        started = time.perf_counter()
+        started = self.coverage.clock()
         if self._sampler.backend is None:
             self._start_backend(module, args)
+        parent = self._parent(module, frame)
+        if parent is None:
+            self._iteration_start(module)  # its census, if any, is clocked apart
+            started = self.coverage.clock()
+        record = self._registry.record_of(module) or self._first_call(module, parent, frame)
+        coverage = self.coverage
+        coverage.calls += 1
+        if coverage.measures(record.index, not record.measured):
+            self._measure(module, record, parent, args, frame, started)
+        elif parent is None and not coverage.light:
+            self._hold(module, record, args, frame, started)
+        else:
+            self._count_only(record, parent, args, frame, started)
+
+    def _parent(self, module: nn.Module, frame: types.FrameType) -> LayerRecord | None:
+        """The layer of the call running around ``module``'s (``None``: the call is
+        outermost), once the calls whose frames are gone left the stack."""
         stack = self.stack
         if stack and self._registry.may_be_stale(module):
             self._drop_stale(frame)
-        parent = stack[-1].record if stack else None
-        if parent is None:
-            self._iteration_start(module)  # its census, if any, is clocked apart
-            started = time.perf_counter()
-        record = self._registry.record_for(
-            module, parent, lambda: entered_through(module, frame)[0] if parent is None else None,
-            lambda: spelled_name(module, frame))
-        coverage = self.coverage
-        coverage.calls += 1
-        measured = coverage.measures(record.index, not record.measured)
-        if not measured and (parent is not None or coverage.light):
-            self._clock.module_called(args, outermost=parent is None)
-            if parent is None:  # on the stack, so that the calls inside it know their parent
-                stack.append(ForwardCall(record, 0, 0, measured=False, frame=id(frame)))
-            else:  # counted only; nothing goes on the stack
-                record.calls += 1
-            coverage.aside(started)
-            return
+        return stack[-1].record if stack else None
+
+    def _first_call(self, module: nn.Module, parent: LayerRecord | None,
+                    frame: types.FrameType) -> LayerRecord:
+        """The record made at ``module``'s first call, named through the code that called it
+        (``frame``): which module's own method called it, and the name the code spells it by
+        (asked only where needed)."""
+        return self._registry.record_for(module, parent, lambda: entered_through(module, frame)[0],
+                                         lambda: spelled_name(module, frame))
+
+    def _note_layer(self, module: nn.Module, record: LayerRecord,
+                    parent: LayerRecord | None) -> None:
+        """What a call that goes on the stack says of layers: its own ran compiled or as
+        TorchScript (measured as a whole); outermost, it is an anchor (its calls mark
+        iterations), else its parent is no leaf."""
         if compiled_original(module) is not None:
             self.compiled.add(record.name)
         elif isinstance(module, torch.jit.ScriptModule):
@@ -250,23 +267,48 @@ class ForwardRecorder:
             self.hooks.anchors.add(record.index)
         else:
             parent.is_leaf = False
-        # An outermost call left unmeasured in a sampled iteration that reads the parts (the
-        # first iterations stopped measuring) still has its saved tensors counted, cheaply:
-        # they are the activations of the iteration's breakdown.
-        counted = parent is None and self._parts.due
-        pushed = (measured or counted) and self._saved and self.saved.push(record.name)
-        foreign = self.saved.foreign_hooks(record.name) if measured and self._saved else None
-        allocated = self._sampler.sample() if measured else self._sampler.last
+
+    def _measure(self, module: nn.Module, record: LayerRecord, parent: LayerRecord | None,
+                 args: Any, frame: types.FrameType, started: float) -> None:
+        """A measured call: memory sampled at its start, what it saves for backward counted
+        (the saved-tensor hooks pushed, where memsentry puts them on), its backward timed."""
+        self._note_layer(module, record, parent)
+        pushed = self._saved and self.saved.push(record.name)
+        foreign = self.saved.foreign_hooks(record.name) if self._saved else None
+        allocated = self._sampler.sample()
         self._clock.module_called(args, outermost=parent is None)
-        call = ForwardCall(record, allocated, allocated, measured=measured, pushed=pushed,
+        call = ForwardCall(record, allocated, allocated, measured=True, pushed=pushed,
                            hooks=foreign, frame=id(frame))
-        stack.append(call)
-        if measured and self._backward is not None and torch.is_grad_enabled():
+        self.stack.append(call)
+        if self._backward is not None and torch.is_grad_enabled():
             call.backward = self._backward.watch_inputs(record, args)
-        if measured:
-            coverage.count(started)
+        self.coverage.count(started)
+
+    def _hold(self, module: nn.Module, record: LayerRecord, args: Any,
+              frame: types.FrameType, started: float) -> None:
+        """An outermost call of a sampled iteration left unmeasured: held on the stack (so
+        that the calls inside it know their parent). Where the iteration reads the parts (the
+        first iterations stopped measuring), its saved tensors are still counted, cheaply:
+        they are the activations of the iteration's breakdown."""
+        self._note_layer(module, record, None)
+        pushed = self._parts.due and self._saved and self.saved.push(record.name)
+        last = self._sampler.last
+        self._clock.module_called(args, outermost=True)
+        self.stack.append(ForwardCall(record, last, last, measured=False, pushed=pushed,
+                                      frame=id(frame)))
+        self.coverage.counted(started)
+
+    def _count_only(self, record: LayerRecord, parent: LayerRecord | None, args: Any,
+                    frame: types.FrameType, started: float) -> None:
+        """A call the coverage leaves out, in a light iteration or inside another call: counted
+        by the iteration's clock and by its layer. An outermost one goes on the stack, so that
+        the calls inside it know their parent (its layer counts it as it ends)."""
+        self._clock.module_called(args, outermost=parent is None)
+        if parent is None:
+            self.stack.append(ForwardCall(record, 0, 0, measured=False, frame=id(frame)))
         else:
-            coverage.aside(started)
+            record.calls += 1
+        self.coverage.counted(started)
 
     def settle_stack(self) -> None:
         """Outside any forward (a backward pass ended): no call of the stack may be stale."""
@@ -279,15 +321,13 @@ class ForwardRecorder:
                 self.saved.pop()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+        """A module call ends (also while an error propagates through it): a call on the stack
+        leaves it, read as it ends and folded into its layer."""
+        record = self._ending(module)
+        if record is None:
             return
         stack = self.stack
-        if not self.active or not stack or in_backward() or not self._owner.mine():
-            return
-        record = self._registry.record_for(module, None)
-        if stack[-1].record is not record and all(c.record is not record for c in stack):
-            return  # a call that was only counted
-        started = time.perf_counter()
+        started = self.coverage.clock()
         # Read before the call leaves the stack: the reading raises its peak.
         allocated = self._sampler.sample() if stack[-1].measured else 0
         error = sys.exc_info()[1]  # PyTorch runs this hook while an error propagates
@@ -297,20 +337,41 @@ class ForwardRecorder:
         while call.record is not record and stack:  # a child whose post hook never ran
             call = stack.pop()
         if not call.measured and not stack and self.coverage.light:  # its boundaries count
-            record.calls += 1
-            if self.unhook_after:
-                self.unhook_after = False
-                self.hooks.follow(bare=True)
-            elif torch.is_grad_enabled():  # the end of its backward may close the iteration
-                self._roots.watch_light(record.name, not module.training, tensors_in(output),
-                                        self._entry(module))
-            self.coverage.aside(started)
+            self._light_ended(module, record, output, started)
             return
         self._ended(module, call, allocated, output)
         if call.measured:
             self.coverage.count(started)
         else:
-            self.coverage.aside(started)
+            self.coverage.counted(started)
+
+    def _ending(self, module: nn.Module) -> LayerRecord | None:
+        """The layer of a call that ends, when its call is on the stack; ``None`` when the end
+        is none of memsentry's business (as for :meth:`_aside`, and from threads other than
+        the loop's) or the call was only counted."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+            return None
+        stack = self.stack
+        if not self.active or not stack or in_backward() or not self._owner.mine():
+            return None
+        record = self._registry.record_for(module, None)
+        if stack[-1].record is not record and all(c.record is not record for c in stack):
+            return None  # a call that was only counted
+        return record
+
+    def _light_ended(self, module: nn.Module, record: LayerRecord, output: Any,
+                     started: float) -> None:
+        """An outermost call of a light iteration ended: its layer counts it; the hooks go
+        bare where the census that kept them on was taken at this call, else (with autograd
+        on) its graph is watched, since the end of its backward may close the iteration."""
+        record.calls += 1
+        if self.unhook_after:
+            self.unhook_after = False
+            self.hooks.follow(bare=True)
+        elif torch.is_grad_enabled():
+            self._roots.watch_light(record.name, not module.training, tensors_in(output),
+                                    self._entry(module))
+        self.coverage.counted(started)
 
     def _entry(self, module: nn.Module) -> Callable[[], tuple[str | None, Location | None]]:
         """What an outermost call of ``module`` was entered through, asked when its graph is
@@ -327,24 +388,36 @@ class ForwardRecorder:
     def _ended(self, module: nn.Module, call: ForwardCall, allocated: int, output: Any) -> None:
         """Fold a call that left the stack into its layer, its parent and the watches of its
         graph (``allocated``: memory read as it ended)."""
-        stack, record, measured = self.stack, call.record, call.measured
         outputs = tensors_in(output)
-        if measured:
-            record.add_forward(
-                delta=allocated - call.start, peak=call.peak - call.start,
-                output=storage_bytes(outputs),
-                saved=self.saved.saved_of(call) if self._saved else None,
-            )
-        else:
-            record.calls += 1
-        if stack and measured:
-            _fold_into(stack[-1], call)
+        self._fold(call, allocated, outputs)
+        stack = self.stack
         grad = torch.is_grad_enabled()
         if not stack and grad:
-            self._roots.watch(record.name, not module.training,
-                              call.saved_bytes if self._saved and measured else None, outputs,
-                              self._entry(module))
+            self._watch_root(module, call, outputs)
         if call.backward is not None and grad and self._backward is not None:
             self._backward.watch_outputs(call.backward, outputs)
         if call.pushed or not stack:
             self.saved.pop()
+
+    def _fold(self, call: ForwardCall, allocated: int, outputs: list[torch.Tensor]) -> None:
+        """A measured call's figures go into its layer (and its peak and saved tensors into
+        its parent's call); an unmeasured one is only counted."""
+        record = call.record
+        if not call.measured:
+            record.calls += 1
+            return
+        record.add_forward(
+            delta=allocated - call.start, peak=call.peak - call.start,
+            output=storage_bytes(outputs),
+            saved=self.saved.saved_of(call) if self._saved else None,
+        )
+        if self.stack:
+            _fold_into(self.stack[-1], call)
+
+    def _watch_root(self, module: nn.Module, call: ForwardCall,
+                    outputs: list[torch.Tensor]) -> None:
+        """An outermost call ended with autograd on: its graph is watched until a backward
+        reaches it (with what it saved, where that was counted)."""
+        saved = call.saved_bytes if self._saved and call.measured else None
+        self._roots.watch(call.record.name, not module.training, saved, outputs,
+                          self._entry(module))

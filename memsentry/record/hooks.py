@@ -85,17 +85,22 @@ class ModuleHooks:
                             register_module_forward_hook(self._post, always_call=True)]
 
     def _hook(self, module: nn.Module) -> None:
-        # Before FSDP2's pre-hook, as global hooks are: the all-gather is the unit's memory.
-        self._modules[id(module)] = (
-            own(module.register_forward_pre_hook(self._pre, prepend=fully_sharded(module))),
-            own(module.register_forward_hook(self._post, always_call=True)),
-        )
+        self._modules[id(module)] = self._handles(module)
+
+    def _handles(self, module: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
+        """Hook one module: before FSDP2's pre-hook, as global hooks are (the all-gather is
+        the unit's memory)."""
+        return (own(module.register_forward_pre_hook(self._pre, prepend=fully_sharded(module))),
+                own(module.register_forward_hook(self._post, always_call=True)))
 
     def _unhook(self, module: nn.Module, index: int) -> None:
         pre, post = self._modules.pop(id(module))
         disown(pre)
         disown(post)
         self._unhooked.add(index)
+        record = self._registry.record_of(module)
+        if record is not None:  # its calls from here on go uncounted
+            record.uncounted = True
 
     def handles(self) -> list[RemovableHandle]:
         """memsentry's forward hooks on now (a census leaves them out of the user's)."""
@@ -114,35 +119,45 @@ class ModuleHooks:
         layers; ``bare`` takes the anchors' (or the global) hooks off too, until the next
         iteration that is not bare; ``lean`` leaves that one module's alone. Only the modules
         whose side changed are visited."""
+        self._follow_kind(bare, lean)
+        window = self._coverage.window()
+        if window is None and self._window is None:
+            return
+        changed = changed_layers(window, self._window, self._unhooked, self._coverage.layers,
+                                 self.anchors)
+        self._window = window
+        self._move(changed, window)
+
+    def _follow_kind(self, bare: bool, lean: nn.Module | None) -> None:
+        """The anchors' hooks follow the iteration's kind, where it changed: bare, lean (on
+        ``lean`` alone) or neither."""
         leaned = self._lean() if self._lean is not None else None
         if bare != self.bare or lean is not leaned:
             self.bare = bare
             self._lean = weakref.ref(lean) if lean is not None and not bare else None
             self._follow_anchors()
-        window = self._coverage.window()
-        if window is None and self._window is None:
-            return
-        if window is None:
-            changed = set(self._unhooked) - self.anchors
-        elif self._window is None:
-            changed = set(range(self._coverage.layers)) - self.anchors
-        else:
-            changed = (window ^ self._window) - self.anchors
-        self._window = window
+
+    def _move(self, changed: set[int], window: set[int] | None) -> None:
+        """The hooks of the ``changed`` layers that still live go on where they are in the
+        ``window`` (``None``: every layer), off where not."""
         modules = self._registry.by_index() if changed else {}
         for index in changed:
             module = modules.get(index)
-            if module is None:
-                continue
-            hooked = id(module) in self._modules
-            if window is None or index in window:
-                if not hooked and index in self._unhooked:
-                    self._unhooked.discard(index)
-                    self._hook(module)
-            elif hooked:
+            if module is not None:
+                self._put(module, index, window is None or index in window)
+
+    def _put(self, module: nn.Module, index: int, wanted: bool) -> None:
+        """Layer ``index``'s hooks on where ``wanted`` (put back where they were taken off: a
+        module never hooked, a TorchScript one, stays so), else off."""
+        if not wanted:
+            if id(module) in self._modules:
                 self._unhook(module, index)
+        elif id(module) not in self._modules and index in self._unhooked:
+            self._unhooked.discard(index)
+            self._hook(module)
 
     def _follow_anchors(self) -> None:
+        """The anchors' hooks on, but where bare, or where lean for all but the lean one."""
         lean = self._lean() if self._lean is not None else None
         if not self._model:
             self._follow_global(lean)
@@ -150,15 +165,8 @@ class ModuleHooks:
         modules = self._registry.by_index()
         for index in self.anchors:
             module = modules.get(index)
-            if module is None:
-                continue
-            hooked = id(module) in self._modules
-            wanted = not self.bare and (lean is None or module is lean)
-            if not wanted and hooked:
-                self._unhook(module, index)
-            elif wanted and not hooked and index in self._unhooked:
-                self._unhooked.discard(index)
-                self._hook(module)
+            if module is not None:
+                self._put(module, index, not self.bare and (lean is None or module is lean))
 
     def _follow_global(self, lean: nn.Module | None) -> None:
         """Without a model: the global hooks, or when lean that one module's."""
@@ -166,13 +174,36 @@ class ModuleHooks:
             for handle in self._lean_handles:
                 disown(handle)
             self._lean_handles = None
-        if self.bare or lean is not None:
-            for handle in self._global:
-                handle.remove()
-            self._global = []
-            if lean is not None and self._lean_handles is None:
-                self._lean_handles = (
-                    own(lean.register_forward_pre_hook(self._pre, prepend=fully_sharded(lean))),
-                    own(lean.register_forward_hook(self._post, always_call=True)))
-        else:
+        if not self.bare and lean is None:
             self.hook_global()
+            return
+        self._unhook_global()
+        if lean is not None and self._lean_handles is None:
+            self._lean_handles = self._handles(lean)
+
+    def _unhook_global(self) -> None:
+        """The global hooks come off: every module's calls from here on go uncounted (but
+        the lean one's, which keeps its own hooks)."""
+        if not self._global:
+            return
+        self._registry.unhooked = True
+        for record in self._registry.records.values():
+            record.uncounted = True
+        for handle in self._global:
+            handle.remove()
+        self._global = []
+
+
+def changed_layers(window: set[int] | None, before: set[int] | None, unhooked: set[int],
+                   layers: int, anchors: set[int]) -> set[int]:
+    """The layers whose hooks change side as the window of measured layers moves from
+    ``before`` to ``window`` (``None``: every layer; ``layers`` are known): from all to some,
+    every layer may go; from some to all, those ``unhooked`` come back. The anchors follow
+    the iteration's kind instead (:meth:`ModuleHooks._follow_anchors`)."""
+    if window is None:
+        changed = set(unhooked)
+    elif before is None:
+        changed = set(range(layers))
+    else:
+        changed = window ^ before
+    return changed - anchors

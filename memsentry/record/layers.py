@@ -43,6 +43,9 @@ class LayerRecord:
     is_leaf: bool = True
     index: int = 0  # the layer's place in first-call order
     measured: int = 0  # forward calls measured (some are only counted, see record.coverage)
+    # Some of its calls may have run with none of memsentry's hooks on it (a light
+    # iteration, a window without it): ``calls`` is then a lower bound.
+    uncounted: bool = False
     # The module's own parameters (not its children's), weakly: their gradients are read
     # when its backward ends.
     own_params: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
@@ -87,6 +90,7 @@ class LayerRecord:
             backward_calls=self.backward_calls,
             is_leaf=self.is_leaf,
             measured_calls=self.measured,
+            calls_complete=not self.uncounted,
         )
 
 
@@ -144,6 +148,12 @@ def fully_sharded(module: nn.Module) -> bool:
                for klass in type(module).__mro__)
 
 
+def _data_parallel(root: nn.Module) -> bool:
+    """Whether ``root`` is DDP's (or DataParallel's) wrapper of the user's model."""
+    return type(root).__name__ in DATA_PARALLEL and isinstance(
+        getattr(root, "module", None), nn.Module)
+
+
 def _shown_name(root: nn.Module, qualified: str, wrapped: bool,
                 compiled: nn.Module | None) -> str:
     """A submodule's qualified name as the user's model spells it: through DDP's and
@@ -184,6 +194,9 @@ class LayerRegistry:
             weakref.WeakKeyDictionary()
         )
         self.records: dict[str, LayerRecord] = {}
+        # Every module call went through the hooks until the global hooks first came off
+        # (without a model): a layer first seen after that may have run before.
+        self.unhooked = False
         self._taken: set[str] = set()
         self.static_storages: set[int] = set()
         self.sharded: set[str] = set()  # the layers that are FSDP2 units
@@ -209,23 +222,33 @@ class LayerRegistry:
         named as the code spells it, when ``spelled`` finds that (``netG``), else by its class,
         and its submodules after it: ``netG.main``, not ``main#2``."""
         compiled = compiled_original(root)
-        prefix: str | None = None
-        wrapped = type(root).__name__ in DATA_PARALLEL and isinstance(
-            getattr(root, "module", None), nn.Module)
+        wrapped = _data_parallel(root)
         clash = self._clashes(root, wrapped, compiled)
+        prefix = self._name_root(root, _shown_name(root, "", wrapped, compiled), clash, spelled)
         for qualified, module in root.named_modules():
-            if module in self._names:
+            if module is root or module in self._names:
                 continue
-            qualified = _shown_name(root, qualified, wrapped, compiled)
-            depth = qualified.count(".") + 1 if qualified and module is not root else 0
-            if module is root:
-                qualified = qualified or type(root).__name__
-                if clash or qualified in self._taken:  # named as the code spells it
-                    prefix = (spelled() if spelled is not None else None) or qualified
-                    qualified = prefix if prefix not in self._taken else qualified
-            elif qualified and clash:  # another root has attributes of these names
-                qualified = f"{prefix or self._names[root][0]}.{qualified}"
-            self._names[module] = (self._unique(qualified), depth, _param_bytes(module))
+            shown = _shown_name(root, qualified, wrapped, compiled)
+            depth = shown.count(".") + 1 if shown else 0
+            if shown and clash:  # another root has attributes of these names
+                shown = f"{prefix}.{shown}"
+            self._names[module] = (self._unique(shown), depth, _param_bytes(module))
+
+    def _name_root(self, root: nn.Module, shown: str, clash: bool,
+                   spelled: Callable[[], str | None] | None) -> str:
+        """Name ``root`` (unless it has a name), by ``shown`` or else its class; where its
+        submodules' names or its own are taken, as the code spells it. Returns what its
+        submodules' names start with where they clash with another root's."""
+        named = self._names.get(root)
+        if named is not None:
+            return named[0]
+        name = shown or type(root).__name__
+        prefix: str | None = None
+        if clash or name in self._taken:  # named as the code spells it
+            prefix = (spelled() if spelled is not None else None) or name
+            name = prefix if prefix not in self._taken else name
+        self._names[root] = (self._unique(name), 0, _param_bytes(root))
+        return prefix or self._names[root][0]
 
     def _clashes(self, root: nn.Module, wrapped: bool, compiled: nn.Module | None) -> bool:
         """Whether a submodule of ``root`` would take a name another root's took."""
@@ -243,32 +266,51 @@ class LayerRegistry:
         record = self._by_module.get(module)
         if record is not None:
             return record
-        named = self._names.get(module)
-        if named is None:
-            if parent is None:
-                holder = owner() if owner is not None else None
-                if holder is not None and holder not in self._names:
-                    self.name_tree(holder)
-                named = self._names.get(module)
-                if named is None:
-                    self.name_tree(module, spelled)
-                    named = self._names[module]
-            else:
-                named = (self._unique(f"{parent.name}.<{type(module).__name__}>"),
-                         parent.depth + 1, None)
-                self._names[module] = named
-        name, depth, params = named
+        name, depth, params = self._named(module, parent, owner, spelled)
         if len(self.records) >= MAX_LAYERS:
-            record = self.records.get(OVERFLOW_LAYER)
-            if record is None:
-                record = LayerRecord(OVERFLOW_LAYER, "various", 1, 0, index=MAX_LAYERS)
-                self.records[OVERFLOW_LAYER] = record
-            self._by_module[module] = record
-            return record
+            return self._overflow(module)
+        return self._new_record(module, name, depth, params)
+
+    def _named(self, module: nn.Module, parent: LayerRecord | None,
+               owner: Callable[[], nn.Module | None] | None,
+               spelled: Callable[[], str | None] | None) -> tuple[str, int, int | None]:
+        """The name, depth and parameter bytes (``None``: read at the first call) of
+        ``module``: those its tree gave it; for a module called inside another that does not
+        hold it, ``parent.<Type>``; for an outermost one, those of its owner's tree or its own
+        (named now)."""
+        named = self._names.get(module)
+        if named is not None:
+            return named
+        if parent is not None:
+            named = (self._unique(f"{parent.name}.<{type(module).__name__}>"),
+                     parent.depth + 1, None)
+            self._names[module] = named
+            return named
+        holder = owner() if owner is not None else None
+        if holder is not None and holder not in self._names:
+            self.name_tree(holder)
+        if module not in self._names:
+            self.name_tree(module, spelled)
+        return self._names[module]
+
+    def _overflow(self, module: nn.Module) -> LayerRecord:
+        """Past :data:`MAX_LAYERS` layers, every new module shares one record."""
+        record = self.records.get(OVERFLOW_LAYER)
+        if record is None:
+            record = LayerRecord(OVERFLOW_LAYER, "various", 1, 0, index=MAX_LAYERS)
+            self.records[OVERFLOW_LAYER] = record
+        self._by_module[module] = record
+        return record
+
+    def _new_record(self, module: nn.Module, name: str, depth: int,
+                    params: int | None) -> LayerRecord:
+        """The record of a layer called for the first time; its parameters' and buffers'
+        storages are static (not what a call allocates)."""
         if params is None:
             params = _param_bytes(module) or 0
         record = LayerRecord(name, type(module).__name__, depth, params, index=len(self.records),
-                             own_params=[weakref.ref(p) for p in module.parameters(recurse=False)])
+                             own_params=[weakref.ref(p) for p in module.parameters(recurse=False)],
+                             uncounted=self.unhooked)
         if fully_sharded(module):
             self.sharded.add(name)
         for tensor in (*module.parameters(), *module.buffers()):

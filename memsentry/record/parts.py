@@ -21,7 +21,6 @@ it. Only weak references to modules, parameters and optimizers are kept.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -155,7 +154,7 @@ class Parts:
             return
         self.due = root is None or coverage.reads_parts(root.index)
         if self.due:
-            started = time.perf_counter()
+            started = coverage.clock()
             if self._params:
                 self.read_gradients()
             else:  # no parameters known yet (global hooks before the first call): all of it
@@ -170,25 +169,12 @@ class Parts:
     # -- reading ---------------------------------------------------------------------------
     def read_all(self) -> None:
         """Enumerate parameters, gradients and optimizer state (at a boundary)."""
-        params: dict[int, torch.Tensor] = {}
-        param: torch.Tensor
-        for module in self._roots():
-            for param in module.parameters():
-                params.setdefault(id(param), param)
-        for optimizer in list(self._optimizers):
-            for group in optimizer.param_groups:
-                for param in group.get("params", ()):
-                    if isinstance(param, torch.Tensor):
-                        params.setdefault(id(param), param)
+        params = known_parameters(self._roots(), list(self._optimizers))
         self._params = [weakref.ref(p) for p in params.values()]
         self.param_keys = {}
         self.parameters = storage_bytes(params.values(), self.param_keys)
         self.read_gradients(list(params.values()))
-        tensors = [value for optimizer in list(self._optimizers)
-                   for per_param in list(optimizer.state.values())
-                   for value in (per_param.values() if isinstance(per_param, dict)
-                                 else (per_param,))
-                   if isinstance(value, torch.Tensor)]
+        tensors = state_tensors(list(self._optimizers))
         self.state_keys = {}
         self.optimizer_state = storage_bytes(tensors, self.state_keys,
                                              skip=self.param_keys.keys() | self.grad_keys.keys())
@@ -212,6 +198,32 @@ class Parts:
         storage-counting backend counts only storages made while tracking)."""
         return sum(size for keys in (self.param_keys, self.grad_keys, self.state_keys)
                    for key, size in keys.items() if not counted(key))
+
+
+def known_parameters(roots: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]
+                     ) -> dict[int, torch.Tensor]:
+    """The distinct parameters of the ``roots`` and of the optimizers' groups, by ``id``, in
+    the order first met."""
+    params: dict[int, torch.Tensor] = {}
+    param: torch.Tensor
+    for module in roots:
+        for param in module.parameters():
+            params.setdefault(id(param), param)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group.get("params", ()):
+                if isinstance(param, torch.Tensor):
+                    params.setdefault(id(param), param)
+    return params
+
+
+def state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The tensors of the optimizers' state: each parameter's dict of them (or a lone
+    tensor)."""
+    return [value for optimizer in optimizers
+            for per_param in list(optimizer.state.values())
+            for value in (per_param.values() if isinstance(per_param, dict) else (per_param,))
+            if isinstance(value, torch.Tensor)]
 
 
 __all__ = ["LiveSaved", "Parts", "Saved"]

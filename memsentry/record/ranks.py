@@ -196,18 +196,33 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
     HANDOFF.block = None
     if store is None or block is None:
         return None
-    if HANDOFF.keep is not None:
-        try:
-            HANDOFF.keep(info.rank, payload)
-        except Exception:  # saving it is the keeper's business: the handoff goes on
-            pass
+    _keep(info.rank, payload)
     store.set(_key(block, info.rank, "report"), payload)
     if info.rank != 0:
         return None
+    found = _gather(store, block, info.world_size, payload, timeout)
+    _clean(store, block, info.world_size)  # the store outlives the block: leave it clean
+    return found
+
+
+def _keep(rank: int, payload: str) -> None:
+    """Hand this rank's report to the keeper, if there is one (:attr:`_Handoff.keep`)."""
+    if HANDOFF.keep is not None:
+        try:
+            HANDOFF.keep(rank, payload)
+        except Exception:  # saving it is the keeper's business: the handoff goes on
+            pass
+
+
+def _gather(store: Any, block: int, world_size: int, payload: str, timeout: float
+            ) -> list[str | None]:
+    """On rank 0: its own ``payload`` and the other ranks' reports, each read where its rank
+    said it tracks the block and the report came by the deadline (``None`` where not); notes
+    the seconds a hurried wait allowed."""
     found: list[str | None] = [payload]
     started = time.monotonic()
     deadline = started + timeout
-    for rank in range(1, info.world_size):
+    for rank in range(1, world_size):
         tracking = _arrived(store, _key(block, rank, "tracking"),
                             min(time.monotonic() + GRACE, deadline))
         report = _key(block, rank, "report")
@@ -215,13 +230,17 @@ def share(info: RankInfo, payload: str, timeout: float) -> list[str | None] | No
                      if tracking and _arrived(store, report, deadline) else None)
     if HANDOFF.hurried is not None:
         HANDOFF.allowed = round(max(_until(deadline) - started, 0.0), 1)
-    for rank in range(info.world_size):  # the store outlives the block: leave it clean
+    return found
+
+
+def _clean(store: Any, block: int, world_size: int) -> None:
+    """Delete every rank's keys of ``block`` from the store, where it lets memsentry."""
+    for rank in range(world_size):
         for what in ("tracking", "report"):
             try:
                 store.delete_key(_key(block, rank, what))
             except (RuntimeError, AttributeError, ValueError):
                 pass
-    return found
 
 
 __all__ = ["GRACE", "HANDOFF", "POLL", "RankInfo", "begin_block", "gather_limit", "hurry",

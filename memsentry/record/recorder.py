@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optimizer_module
 
+import memsentry.record.policy as policy
 from memsentry.measure import (
     MemoryBackend,
     device_of_module,
@@ -34,6 +35,7 @@ from memsentry.record.backward import BackwardTimer, tensors_in
 from memsentry.record.boundary import Boundaries
 from memsentry.record.budget import Budget, budget_notes
 from memsentry.record.calls import BackwardCall, ForwardCall
+from memsentry.record.clock import Clock
 from memsentry.record.coverage import Coverage, coverage_notes
 from memsentry.record.failure import explain
 from memsentry.record.forward import ForwardRecorder
@@ -42,6 +44,7 @@ from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
 from memsentry.record.parts import Parts
 from memsentry.record.passes import PlainPasses
+from memsentry.record.policy import Tuning
 from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.schedule import CensusSchedule
@@ -126,8 +129,12 @@ class Recorder:
     """Records memory per layer and per iteration between :meth:`start` and :meth:`stop`."""
 
     def __init__(self, model: nn.Module | None, options: Options,
-                 named: Sequence[tuple[str, Any, str]] = ()) -> None:
+                 named: Sequence[tuple[str, Any, str]] = (), *,
+                 clock: Clock = time.perf_counter, tuning: Tuning | None = None,
+                 credit: float | None = None) -> None:
         self.options = options
+        tuning = tuning if tuning is not None else policy.DEFAULT
+        self._given = (clock, tuning, credit)
         # Objects a framework runs, by the name their methods spell them (held weakly).
         self._named = [(name, weakref.ref(obj), role) for name, obj, role in named]
         self.device = options.device
@@ -136,14 +143,14 @@ class Recorder:
         self._model_ref = weakref.ref(model) if model is not None else None
         self._registry = LayerRegistry()
         self._timeline = Timeline(capacity=options.max_iterations)
-        self._clock = IterationClock()
+        self._clock = IterationClock(clock)
         self._stack: list[ForwardCall] = []
         running: dict[int, BackwardCall] = {}
         self._parts = Parts(model)
         self._owner = Owner(adoptable=model is not None)
-        self._sampler = Sampler(self._stack, running, self._parts)
-        self._budget = Budget(options.overhead)
-        self._coverage = Coverage(options.overhead, self._budget)
+        self._sampler = Sampler(self._stack, running, self._parts, clock)
+        self._budget = Budget(options.overhead, credit=credit, tuning=tuning, clock=clock)
+        self._coverage = Coverage(options.overhead, self._budget, clock)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
         self._roots = RootCalls(self._clock, self._backward_ended)
@@ -172,9 +179,23 @@ class Recorder:
         self.listener: Callable[[str], None] | None = None
         self.raise_at_boundary: BaseException | None = None
         self._censuses.on_taken = self._census_taken
-        self.aside = self._boundaries.aside  # the alarm's work at a boundary, not the loop's
+        self.unclocked = self._boundaries.unclocked  # the alarm's work: not the loop's time
         self._final: tuple[int, int | None, Counters] | None = None
         self._oom: OutOfMemory | None = None
+
+    def with_policy(self, *, clock: Clock | None = None, tuning: Tuning | None = None,
+                    credit: float | None = None) -> Recorder:
+        """This recorder, not started yet, built again on another clock, tuning or judging
+        credit (``credit``: untracked seconds to credit; ``None``: as the process ran). The
+        seam through which tests give the policy fixed facts."""
+        given_clock, given_tuning, given_credit = self._given
+        model = self._model_ref() if self._model_ref is not None else None
+        named = [(name, obj, role) for name, ref, role in self._named
+                 if (obj := ref()) is not None]
+        return Recorder(model, self.options, named,
+                        clock=clock if clock is not None else given_clock,
+                        tuning=tuning if tuning is not None else given_tuning,
+                        credit=credit if credit is not None else given_credit)
 
     # -- start and stop --------------------------------------------------------------------
     def start(self) -> None:
@@ -182,7 +203,7 @@ class Recorder:
         self._owner.claim()
         self._budget.open()
         self._set_active(True)
-        self._clock.started = time.perf_counter()
+        self._clock.started = self._clock.now()
         try:
             # A torch built without CUDA measures the CPU now; on a CUDA build the device
             # is picked at the first module call, never by asking the driver here: torch.
@@ -359,8 +380,8 @@ class Recorder:
         cost = self._budget.cost()
         notes = (*backend.notes, *self._sampler.notes, *self._censuses.errors,
                  *filter(None, [self._signals.note()]), *coverage_notes(self._coverage,
-                 self._registry), *budget_notes(cost), *self._censuses.budget_notes(),
-                 *self._forward.compiled_notes())
+                 self._registry), *budget_notes(cost, self._budget.tuning),
+                 *self._censuses.budget_notes(), *self._forward.compiled_notes())
         return _with_processes(self._clock, ReportData(
             device=str(backend.device), backend=backend.name, baseline=self._sampler.baseline,
             layers=self._registry.freeze(), iterations=tuple(self._timeline.items),

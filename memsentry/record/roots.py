@@ -56,6 +56,13 @@ class RootCall:
         if self.pass_end is not None:
             self.pass_end.arm()
 
+    def takes(self, name: str, generation: int) -> bool:
+        """Whether a call of layer ``name`` in iteration ``generation`` belongs to this call
+        of a model entered through its own method: not judged yet, of the same iteration,
+        and of a layer it did not call yet (one called again starts the model's next call)."""
+        return self.members is not None and name not in self.members \
+            and self.generation == generation
+
     def fold_into(self, known: UnusedGraph | None) -> UnusedGraph:
         """This unused call added to what is ``known`` of its module's unused calls."""
         saved = self.saved
@@ -133,16 +140,30 @@ class RootCalls:
         owner, where = entry() if entry is not None else (None, user_site())
         if owner is not None:
             self._owners[name] = owner
-            call = self._entries.get(owner)
-            if call is not None and call.members is not None and name not in call.members \
-                    and call.generation == self._clock.index:
-                call.members.add(name)  # another layer of the same call of the model
-                call.handles += [node.register_prehook(call.mark_used) for node in nodes]
-                if call.saved is not None and saved is not None:
-                    call.saved += saved
+            if self._join(self._entries.get(owner), name, saved, nodes):
                 return
         if len(self._running) >= MAX_RUNNING:  # no boundary settles them (inference)
             self.settle(everything=True)
+        self._running.append(self._new_call(name, owner, eval_mode, saved, where, nodes))
+
+    def _join(self, call: RootCall | None, name: str, saved: int | None, nodes: list[Any]
+              ) -> bool:
+        """Whether layer ``name``'s call is another layer of ``call``, the latest call of the
+        model entered through its own method (one of its iteration, by a layer it did not
+        call yet); if so, its nodes and what it saved are that call's too."""
+        if call is None or not call.takes(name, self._clock.index):
+            return False
+        assert call.members is not None
+        call.members.add(name)
+        call.handles += [node.register_prehook(call.mark_used) for node in nodes]
+        if call.saved is not None and saved is not None:
+            call.saved += saved
+        return True
+
+    def _new_call(self, name: str, owner: str | None, eval_mode: bool, saved: int | None,
+                  where: Location | None, nodes: list[Any]) -> RootCall:
+        """A call watched through its output ``nodes``: of module ``name``, or of the model
+        ``owner`` whose own method called it (its first layer's call)."""
         call = RootCall(owner or name, eval_mode, saved, where, self._clock.index,
                         self._pass_end)
         call.handles = [node.register_prehook(call.mark_used) for node in nodes]
@@ -150,7 +171,7 @@ class RootCalls:
             assert call.members is not None
             call.members.add(name)
             self._entries[owner] = call
-        self._running.append(call)
+        return call
 
     def settle(self, *, everything: bool = False) -> None:
         """An iteration ended: the calls made before it (all calls, with ``everything``) are

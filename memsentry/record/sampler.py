@@ -6,10 +6,12 @@ innermost running forward and of the running backwards. What the samples cost is
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from memsentry.measure import MallinfoBackend, MemoryBackend
 from memsentry.model import Breakdown, PeakMode, Phase
 from memsentry.record.calls import BackwardCall, ForwardCall
+from memsentry.record.clock import Clock
 from memsentry.record.parts import Parts
 
 #: Samples at saved-tensor packs stop when this many in a row cost more than
@@ -18,9 +20,17 @@ from memsentry.record.parts import Parts
 PACK_SAMPLES_JUDGED = 200
 SLOW_PACK_SAMPLE = 250e-6
 
-#: What the four parts held when a peak was read, and where the loop was: (parameters,
-#: gradients, optimizer state, activations, phase, layer name or None).
-Moment = tuple[int, int, int, int, Phase, str | None]
+
+class Moment(NamedTuple):
+    """What the four parts held when a peak was read (bytes), and where the loop was: its
+    phase, and the layer running (``None`` outside any)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    phase: Phase
+    layer: str | None
 
 
 class Sampler:
@@ -28,10 +38,11 @@ class Sampler:
     forwards and ``backward`` its running backwards (shared, not copied)."""
 
     def __init__(self, forward: list[ForwardCall], backward: dict[int, BackwardCall],
-                 parts: Parts) -> None:
+                 parts: Parts, clock: Clock = time.perf_counter) -> None:
         self.backend: MemoryBackend | None = None
+        self._now = clock
         self.parts = parts
-        self.at_peak: Moment = (0, 0, 0, 0, Phase.BETWEEN, None)
+        self.at_peak = Moment(0, 0, 0, 0, Phase.BETWEEN, None)
         self._forward = forward
         self._backward = backward
         self.in_ops = False  # mallinfo2: also sample at saved-tensor packs
@@ -59,6 +70,13 @@ class Sampler:
             allocated -= self.own
             peak = None if peak is None else peak - self.own
         high = allocated if peak is None or peak < allocated else peak
+        self._raise_peaks(high, step)
+        self.last = allocated
+        return allocated
+
+    def _raise_peaks(self, high: int, step: bool) -> None:
+        """The highest memory read by a sample raises the iteration's peak (noting what the
+        parts held there), the innermost running forward's and the running backwards'."""
         if high > self.peak:
             self.peak = high
             self.at_peak = self.moment(step=step)
@@ -69,8 +87,6 @@ class Sampler:
         for call in self._backward.values():
             if high > call.peak:
                 call.peak = high
-        self.last = allocated
-        return allocated
 
     def begin_iteration(self, allocated: int) -> None:
         """An iteration begins with ``allocated`` bytes: its peak is counted from here."""
@@ -86,10 +102,10 @@ class Sampler:
 
     def sample_at_pack(self) -> None:
         """A sample at a saved-tensor pack (mallinfo2 only), while those stay cheap."""
-        started = time.perf_counter()
+        started = self._now()
         self.sample()
         self._packs += 1
-        self._pack_seconds += time.perf_counter() - started
+        self._pack_seconds += self._now() - started
         if self._packs % PACK_SAMPLES_JUDGED == 0:  # judged on each window of reads
             each, self._pack_seconds = self._pack_seconds / PACK_SAMPLES_JUDGED, 0.0
             if each > SLOW_PACK_SAMPLE:
@@ -110,8 +126,8 @@ class Sampler:
             phase, layer = Phase.FORWARD, self._forward[-1].record.name
         else:
             phase, layer = (Phase.STEP if step else Phase.BETWEEN), None
-        return (parts.parameters, parts.gradients, parts.optimizer_state, parts.live.total,
-                phase, layer)
+        return Moment(parts.parameters, parts.gradients, parts.optimizer_state,
+                      parts.live.total, phase, layer)
 
 
 def with_outside(sampler: Sampler, total: int) -> int:
@@ -143,8 +159,9 @@ def at_moment(moment: Moment, total: int, *, phase: Phase | None = None,
               layer: str | None = None) -> Breakdown:
     """The breakdown of ``total`` by the parts a sample noted at ``moment``; ``phase`` (with
     ``layer``) replaces where the moment placed the loop."""
-    params, grads, state, saved, at, at_layer = moment
+    at, at_layer = moment.phase, moment.layer
     if phase is not None:
         at, at_layer = phase, layer
-    return Breakdown.of(total, parameters=params, gradients=grads, optimizer_state=state,
-                        activations=saved, phase=at, layer=at_layer)
+    return Breakdown.of(total, parameters=moment.parameters, gradients=moment.gradients,
+                        optimizer_state=moment.optimizer_state, activations=moment.activations,
+                        phase=at, layer=at_layer)

@@ -16,7 +16,6 @@ recomputation of checkpointing) are noted, not counted.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -282,7 +281,7 @@ class SavedTensors:
         packed = Saved(tensor.detach(), tensor._version, node) if node is not None \
             else Saved(tensor, tensor._version)
         if self.active and self._sampler.backend is not None and self._stack:
-            started = time.perf_counter()
+            started = self._coverage.clock()
             call = self._stack[-1]
             _count_saved(call, tensor, packed, self._parts.live if self._parts.due else None,
                          self._registry.static_storages)

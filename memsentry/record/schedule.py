@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,27 +15,11 @@ from torch import nn
 from memsentry.census import garbage_census, take_census
 from memsentry.census.take import GRAPH_SHARE, Named
 from memsentry.model import Census
-from memsentry.record.budget import ANALYSIS, CENSUS_GUESS, CENSUSES, Budget
+from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
+from memsentry.record.policy import CensusState, census_step
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
-
-#: The first census comes after the warm-up iterations the rules leave out.
-FIRST_CENSUS = 2
-#: Censuses taken when due whatever the cost budget says: those of iterations 2, 3, 4, 6,
-#: 10, 18 and 34, a fixed cost (7 searches of 2 to 50 ms here) that decides the trends of a
-#: short run as they were decided before the budget (a list bounded at 8 or 25 items is seen
-#: to stop growing); later ones wait for the budget.
-ALWAYS_TAKEN = 7
-
-
-def census_due(index: int) -> bool:
-    """Censuses at iterations 2, 3, 4 (three points decide a trend within five iterations),
-    then 6, 10, 18, 34, ...: doubling gaps, so a long run pays for a handful."""
-    if FIRST_CENSUS <= index <= FIRST_CENSUS + 2:
-        return True
-    gap = index - FIRST_CENSUS
-    return gap >= 4 and gap & (gap - 1) == 0
 
 
 class CensusSchedule:
@@ -52,8 +35,9 @@ class CensusSchedule:
         self.errors: list[str] = []
         self.budget = budget  # the seconds one census may take
         self.ledger = ledger if ledger is not None else Budget(None)
+        self.clock = self.ledger.clock
         self.wanted = False  # a census is due and waits for the ledger to afford it
-        self.last_cost = CENSUS_GUESS  # what the last census took (seconds)
+        self.last_cost = self.ledger.tuning.census_guess  # what the last census took (seconds)
         self.on_taken: Callable[[], None] | None = None  # called after each census
         self._sampler = sampler
         self._registry = registry
@@ -132,21 +116,16 @@ class CensusSchedule:
 
     def plan(self, index: int, *, due: bool) -> None:
         """At the boundary that closed iteration ``index``: a census is wanted when ``due``
-        (the schedule, or growth asking for one); it is taken as the next iteration begins
-        when the ledger can pay what the last one cost, else at a later boundary that can."""
-        if due and not self.wanted:
-            self.wanted = True
-            if not self._affordable():
-                self.ledger.deferred += 1
-        if self.wanted and self.pending is None and self._affordable():
-            self.pending, self.wanted = index, False
-        # A census waiting for the account has the first claim on it: measuring leaves it be.
-        self.ledger.reserved = self.last_cost if self.wanted else 0.0
-
-    def _affordable(self) -> bool:
-        """The first :data:`ALWAYS_TAKEN` censuses are taken when due whatever the budget;
-        later ones when the budget can pay what the last one cost."""
-        return len(self.censuses) < ALWAYS_TAKEN or self.ledger.afford(self.last_cost)
+        (the schedule, or growth asking for one); the policy says whether it is taken as the
+        next iteration begins or waits, with the first claim on the account, for a boundary
+        that can pay for it (:func:`~memsentry.record.policy.census_step`)."""
+        state = census_step(
+            CensusState(wanted=self.wanted, pending=self.pending, taken=len(self.censuses),
+                        deferred=self.ledger.deferred, last_cost=self.last_cost),
+            self.ledger.account(), index=index, due=due, tuning=self.ledger.tuning)
+        self.wanted, self.pending, self.ledger.deferred = state.wanted, state.pending, \
+            state.deferred
+        self.ledger.reserved = state.reserved
 
     def take_pending(self, *, model: nn.Module | None, own_hooks: set[int],
                      skip: set[int], named: Sequence[Named] = ()) -> float:
@@ -154,15 +133,15 @@ class CensusSchedule:
         iteration, self.pending = self.pending, None
         if iteration is None:
             return 0.0
-        started = time.perf_counter()
+        started = self.clock()
         self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named)
-        spent = time.perf_counter() - started
+        spent = self.clock() - started
         self.last_cost = spent
         self.ledger.charge(CENSUSES, spent, inside=False)  # moved out of the iteration's time
         if self.on_taken is not None:  # the rules judge what the census found (the alarm)
-            began = time.perf_counter()
+            began = self.clock()
             self.on_taken()
-            judged = time.perf_counter() - began
+            judged = self.clock() - began
             self.ledger.charge(ANALYSIS, judged, inside=False)
             spent += judged
         return spent
@@ -178,7 +157,7 @@ class CensusSchedule:
         took."""
         if self.pending is None:
             near = bool(self.censuses) and iteration - self.censuses[-1].iteration < 2
-            if iteration < FIRST_CENSUS or near:
+            if iteration < self.ledger.tuning.first_census or near:
                 return 0.0
             self.pending = iteration
         return self.take_pending(model=model, own_hooks=own_hooks, skip=skip, named=named)

@@ -53,11 +53,7 @@ def with_snapshot_options(options: Options, model: nn.Module | None) -> Options:
     raises ``ValueError``."""
     if not options.snapshot:
         return options
-    device = options.device
-    if device is None and model is not None:
-        device = device_of_module(model)
-    if device is None and not torch.cuda.is_initialized():  # never a driver call here
-        device = torch.device("cpu")
+    device = expected_device(options, model)
     if device is not None and device.type not in ("cpu", "cuda"):
         raise ValueError(
             f"track(snapshot=...): memory_viz snapshots are recorded on CUDA (the caching "
@@ -67,6 +63,17 @@ def with_snapshot_options(options: Options, model: nn.Module | None) -> Options:
     if device is not None and device.type == "cpu" and not options.exact:
         return replace(options, exact=True)
     return options
+
+
+def expected_device(options: Options, model: nn.Module | None) -> torch.device | None:
+    """The device the run will measure, as far as can be told before it: the one asked for,
+    else the model's, else the CPU where CUDA is not initialised (``None``: not known)."""
+    device = options.device
+    if device is None and model is not None:
+        device = device_of_module(model)
+    if device is None and not torch.cuda.is_initialized():  # never a driver call here
+        device = torch.device("cpu")
+    return device
 
 
 def write_snapshot(data: Snapshot, path: str | os.PathLike[str]) -> str:
@@ -150,17 +157,21 @@ class SnapshotRecording:
                 f"The memory_viz snapshot keeps the last {self._history.max_entries:,} of the "
                 f"{self._history.recorded:,} trace entries recorded (snapshot_entries); the "
                 "storages still alive at the end are all in it.")
-        if self.path is None:
-            return
+        if self.path is not None:
+            self._write(self.path)
+
+    def _write(self, path: str) -> None:
+        """Write the snapshot to ``path``; a failure to write it is noted (the snapshot is
+        kept)."""
         try:
             data = self.data()
             if data is not None:
-                write_snapshot(data, self.path)
+                write_snapshot(data, path)
         except Exception as error:
             reason = error.strerror if isinstance(error, OSError) and error.strerror \
                 else str(error)
             self.notes.append(
-                f"The memory_viz snapshot could not be written to {self.path!r} ({reason}); "
+                f"The memory_viz snapshot could not be written to {path!r} ({reason}); "
                 "it is kept: tracker.snapshot(path) writes it elsewhere.")
 
     def _stop(self, device: torch.device | None) -> None:

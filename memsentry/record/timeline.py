@@ -13,6 +13,7 @@ from memsentry.measure.processes import ResidentReader
 from memsentry.model import Boundary, Breakdown, IterationStats
 from memsentry.model.processes import ProcessSample, WorkerMemory
 from memsentry.record.batches import install, uninstall, waited
+from memsentry.record.clock import Clock
 from memsentry.record.signals import Signals
 from memsentry.record.workers import recorded, sample
 
@@ -29,14 +30,15 @@ class IterationClock:
     """The running iteration: its index, when it began, its module calls, its batch size and
     the batch fetches its thread made since it began (see :mod:`memsentry.record.batches`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = time.perf_counter) -> None:
+        self.now = clock  # the recorder's one clock
         self.index = 0
-        self.started = time.perf_counter()
+        self.started = clock()
         self.calls = 0
         self.batch: int | None = None
         self._fetched = waited()
         self._timing = False
-        self._began = time.perf_counter()
+        self._began = clock()
         self._processes: tuple[tuple[WorkerMemory, ...], tuple[ProcessSample, ...]] = ((), ())
         self._resident = ResidentReader()
 
@@ -47,7 +49,7 @@ class IterationClock:
             install()
             self._timing = True
             self._fetched = waited()
-            self._began = time.perf_counter()
+            self._began = self.now()
             sample()  # the process's memory as tracking begins
 
     def stop_timing_batches(self) -> None:

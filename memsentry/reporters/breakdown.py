@@ -85,6 +85,53 @@ def _apart(report: ReportData) -> list[str]:
     return [line for line in (outside, pinned) if line is not None]
 
 
+def _rows(peak: Breakdown, heap: int) -> list[list[str]]:
+    """One row per category (the heap in use before tracking apart from ``other``, when
+    there is one), then the total."""
+    rows = []
+    for name in CATEGORIES:
+        if name == "other" and heap:
+            rows.append(["process heap before tracking (not tensors)", format_bytes(heap),
+                         _share(heap, peak.total)])
+        value = peak.part(name) - (heap if name == "other" else 0)
+        rows.append([_LABELS[name], format_bytes(value), _share(value, peak.total)])
+    rows.append(["total", format_bytes(peak.total), ""])
+    return rows
+
+
+def _title(report: ReportData, peak: Breakdown) -> str:
+    """The table's title, with the iteration of the peak and where the loop was."""
+    index = next((it.index for it in report.iterations if it.parts is peak), None)
+    title = "Memory at the highest peak"
+    if index is None:
+        return title
+    return title + f" (iteration {index}, {peak.where})"
+
+
+def _total_note(report: ReportData, peak: Breakdown, heap: int) -> str | None:
+    """What the total counts beyond the allocated figures: the process heap in use before
+    tracking, or the storages made before it; ``None`` when neither."""
+    if heap:
+        return ("The CPU backend counts the whole process heap (glibc's mallinfo2): of "
+                f"the {format_bytes(report.baseline)} in use when tracking began, what the "
+                "parameters do not explain is shown apart. track(exact=True) counts tensor "
+                "storages only.")
+    if report.peak is not None and peak.total > report.peak:
+        return (f"The total is above the allocated peak ({format_bytes(report.peak)}): "
+                "the parts count storages made before tracking began (the model's "
+                "parameters), which the allocated figures, counting what was made while "
+                "tracking, leave out.")
+    return None
+
+
+def _excess_note(peak: Breakdown) -> str | None:
+    """That the parts add up to more than the peak read; ``None`` when they do not."""
+    if not peak.excess:
+        return None
+    return (f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
+            "read: the peak fell between the moments they were read.")
+
+
 def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     """The table, the memory outside the allocator and the pinned host memory; ``None`` when
     no iteration carries a breakdown and there is neither."""
@@ -92,36 +139,13 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     apart = _apart(report)
     if peak is None:
         return "\n".join(fill(line, width) for line in apart) or None
-    index = next((it.index for it in report.iterations if it.parts is peak), None)
     heap = heap_at_start(report, peak)
-    rows = []
-    for name in CATEGORIES:
-        value = peak.part(name) - (heap if name == "other" else 0)
-        rows.append([_LABELS[name], format_bytes(value), _share(value, peak.total)])
-        if name == "other" and heap:
-            rows.insert(-1, ["process heap before tracking (not tensors)",
-                             format_bytes(heap), _share(heap, peak.total)])
-    rows.append(["total", format_bytes(peak.total), ""])
-    title = "Memory at the highest peak"
-    if index is not None:
-        title += f" (iteration {index}, {peak.where})"
-    lines = [title, tabulate(rows, tablefmt="plain", colalign=("left", "right", "right"),
-                             disable_numparse=True)]
-    lines.append("The layers' `of peak` column is each layer's saved bytes over this total.")
-    if heap:
-        lines.append("The CPU backend counts the whole process heap (glibc's mallinfo2): of "
-                     f"the {format_bytes(report.baseline)} in use when tracking began, what the "
-                     "parameters do not explain is shown apart. track(exact=True) counts tensor "
-                     "storages only.")
-    elif report.peak is not None and peak.total > report.peak:
-        lines.append(f"The total is above the allocated peak ({format_bytes(report.peak)}): "
-                     "the parts count storages made before tracking began (the model's "
-                     "parameters), which the allocated figures, counting what was made while "
-                     "tracking, leave out.")
-    if peak.excess:
-        lines.append(f"The four parts add up to {format_bytes(peak.excess)} more than the peak "
-                     "read: the peak fell between the moments they were read.")
-    lines += apart
+    table = tabulate(_rows(peak, heap), tablefmt="plain", colalign=("left", "right", "right"),
+                     disable_numparse=True)
+    notes = [_total_note(report, peak, heap), _excess_note(peak)]
+    lines = [_title(report, peak), table,
+             "The layers' `of peak` column is each layer's saved bytes over this total.",
+             *(note for note in notes if note is not None), *apart]
     return "\n".join(fill(line, width) if "\n" not in line else line
                      for line in lines)
 

@@ -118,37 +118,61 @@ def _census_text(census: Census) -> str:
     return html.escape(f"census at iteration {census.iteration}: {held}", quote=False)
 
 
+def _census_trace(report: ReportData, by_index: dict[int, IterationStats],
+                  scale: int) -> dict[str, Any] | None:
+    """The censuses taken at a recorded iteration, on the allocated line; ``None`` when
+    none was."""
+    censuses = [c for c in report.censuses if c.iteration in by_index]
+    if not censuses:
+        return None
+    return {
+        "type": "scatter", "mode": "markers", "name": "census",
+        "x": [c.iteration for c in censuses],
+        "y": [by_index[c.iteration].allocated / scale for c in censuses],
+        "text": [_census_text(c) for c in censuses],
+        "marker": {"symbol": "diamond-open", "size": 9, "color": _COLOURS["census"]},
+        "hovertemplate": "%{text}<extra></extra>",
+    }
+
+
+def _marked(findings: Sequence[Finding], severity: str, by_index: dict[int, IterationStats]
+            ) -> list[tuple[int, int, Finding]]:
+    """(index, iteration, finding) of each finding of ``severity`` whose iteration was
+    recorded."""
+    marked = []
+    for index, finding in enumerate(findings):
+        at = finding.iteration
+        if finding.severity.value == severity and at is not None and at in by_index:
+            marked.append((index, at, finding))
+    return marked
+
+
+def _finding_trace(report: ReportData, severity: str, by_index: dict[int, IterationStats],
+                   scale: int) -> dict[str, Any] | None:
+    """The findings of one severity, each on the peak line at its iteration; ``None`` when
+    none is at a recorded iteration."""
+    marked = _marked(report.findings, severity, by_index)
+    if not marked:
+        return None
+    return {
+        "type": "scatter", "mode": "markers", "name": f"{severity.upper()} finding",
+        "x": [at for _, at, _ in marked],
+        "y": [by_index[at].peak / scale for _, at, _ in marked],
+        "text": [_finding_text(f) for _, _, f in marked],
+        "customdata": [i for i, _, _ in marked],
+        "marker": {"symbol": "x", "size": 12, "color": _COLOURS[severity],
+                   "line": {"width": 1, "color": "#ffffff"}},
+        "hovertemplate": "%{text}<extra>click: show the finding</extra>",
+    }
+
+
 def _markers(report: ReportData, by_index: dict[int, IterationStats], scale: int,
              unit: str) -> list[dict[str, Any]]:
     """Censuses, and each finding at the iteration its evidence was read in."""
-    traces = []
-    censuses = [c for c in report.censuses if c.iteration in by_index]
-    if censuses:
-        traces.append({
-            "type": "scatter", "mode": "markers", "name": "census",
-            "x": [c.iteration for c in censuses],
-            "y": [by_index[c.iteration].allocated / scale for c in censuses],
-            "text": [_census_text(c) for c in censuses],
-            "marker": {"symbol": "diamond-open", "size": 9, "color": _COLOURS["census"]},
-            "hovertemplate": "%{text}<extra></extra>",
-        })
-    for severity in ("leak", "waste", "hint"):
-        marked = [(i, f.iteration, f) for i, f in enumerate(report.findings)
-                  if f.severity.value == severity and f.iteration is not None
-                  and f.iteration in by_index]
-        if not marked:
-            continue
-        traces.append({
-            "type": "scatter", "mode": "markers", "name": f"{severity.upper()} finding",
-            "x": [at for _, at, _ in marked],
-            "y": [by_index[at].peak / scale for _, at, _ in marked],
-            "text": [_finding_text(f) for _, _, f in marked],
-            "customdata": [i for i, _, _ in marked],
-            "marker": {"symbol": "x", "size": 12, "color": _COLOURS[severity],
-                       "line": {"width": 1, "color": "#ffffff"}},
-            "hovertemplate": "%{text}<extra>click: show the finding</extra>",
-        })
-    return traces
+    traces = [_census_trace(report, by_index, scale),
+              *(_finding_trace(report, severity, by_index, scale)
+                for severity in ("leak", "waste", "hint"))]
+    return [trace for trace in traces if trace is not None]
 
 
 def _finding_text(finding: Finding) -> str:
@@ -170,6 +194,57 @@ def _layout(unit: str, title: str, height: int = 380) -> dict[str, Any]:
     }
 
 
+def _lines(shown: list[IterationStats], scale: int, unit: str) -> list[dict[str, Any]]:
+    """The allocated and peak lines, and the reserved line where any iteration read it."""
+    xs = [it.index for it in shown]
+    text = [_point_text(it) for it in shown]
+    lines = [_line("allocated", xs, [it.allocated / scale for it in shown], text, unit,
+                   mode="lines+markers" if len(shown) <= 60 else "lines"),
+             _line("peak", xs, [it.peak / scale for it in shown], text, unit, dash="dot")]
+    if any(it.reserved is not None for it in shown):
+        lines.append(_line("reserved", xs, [None if it.reserved is None else it.reserved / scale
+                                            for it in shown], text, unit, dash="dash"))
+    return lines
+
+
+def _timeline_traces(report: ReportData, shown: list[IterationStats], scale: int, unit: str,
+                     stacked: bool) -> list[dict[str, Any]]:
+    """The timeline's traces: the breakdown stacked (when ``stacked``), the allocated, peak
+    and reserved lines, then the censuses and findings marked."""
+    traces = _stacked(shown, scale, unit) if stacked else []
+    traces += _lines(shown, scale, unit)
+    traces += _markers(report, {it.index: it for it in report.iterations}, scale, unit)
+    return traces
+
+
+def _timeline_title(iterations: Sequence[IterationStats], shown: list[IterationStats]) -> str:
+    """The timeline's title: the iterations, and how many are drawn when it was thinned."""
+    title = f"Timeline: {len(iterations):,} iterations"
+    if len(shown) < len(iterations):
+        title += f" ({len(shown):,} drawn: the highest peak and the allocated range per bucket)"
+    return title
+
+
+def _stack_below(layout: dict[str, Any], unit: str) -> None:
+    """Make room in ``layout`` for the breakdown's stacked parts: below the lines, on the same
+    iterations."""
+    layout["height"] = 560
+    layout["yaxis"]["domain"] = [0.45, 1]
+    layout["yaxis2"] = {"domain": [0, 0.38], "anchor": "x", "rangemode": "tozero",
+                        "title": {"text": f"at each peak ({unit})"}}
+    layout["xaxis"]["anchor"] = "y2"
+
+
+def _mark_oom(layout: dict[str, Any], iteration: int) -> None:
+    """Mark in ``layout`` the iteration that ran out of memory: a line across and a label."""
+    layout["shapes"] = [{"type": "line", "xref": "x", "yref": "paper", "y0": 0, "y1": 1,
+                         "x0": iteration, "x1": iteration,
+                         "line": {"color": _COLOURS["leak"], "width": 2}}]
+    layout["annotations"] = [{"x": iteration, "y": 1, "yref": "paper",
+                              "text": "out of memory", "showarrow": False,
+                              "font": {"color": _COLOURS["leak"]}, "yanchor": "bottom"}]
+
+
 def timeline_figure(report: ReportData, *, at_most: int = AT_MOST) -> dict[str, Any] | None:
     """The iteration timeline: allocated at each boundary, the peak inside, reserved, the
     breakdown at each peak stacked, censuses and findings marked; ``None`` with no
@@ -179,36 +254,14 @@ def timeline_figure(report: ReportData, *, at_most: int = AT_MOST) -> dict[str, 
     shown = thin(report.iterations, at_most)
     largest = max(max(it.peak, it.allocated, it.reserved or 0) for it in report.iterations)
     scale, unit = unit_for(largest)
-    xs = [it.index for it in shown]
-    text = [_point_text(it) for it in shown]
     stacked = any(it.parts for it in shown)
-    traces = _stacked(shown, scale, unit) if stacked else []
-    traces.append(_line("allocated", xs, [it.allocated / scale for it in shown], text, unit,
-                        mode="lines+markers" if len(shown) <= 60 else "lines"))
-    traces.append(_line("peak", xs, [it.peak / scale for it in shown], text, unit,
-                        dash="dot"))
-    if any(it.reserved is not None for it in shown):
-        traces.append(_line("reserved", xs, [None if it.reserved is None else it.reserved / scale
-                                             for it in shown], text, unit, dash="dash"))
-    traces.extend(_markers(report, {it.index: it for it in report.iterations}, scale, unit))
-    title = f"Timeline: {len(report.iterations):,} iterations"
-    if len(shown) < len(report.iterations):
-        title += f" ({len(shown):,} drawn: the highest peak and the allocated range per bucket)"
-    layout = _layout(unit, title)
+    traces = _timeline_traces(report, shown, scale, unit, stacked)
+    layout = _layout(unit, _timeline_title(report.iterations, shown))
     layout["xaxis"] = iteration_axis("iteration", report.iterations)
-    if stacked:  # the parts below the lines, on the same iterations
-        layout["height"] = 560
-        layout["yaxis"]["domain"] = [0.45, 1]
-        layout["yaxis2"] = {"domain": [0, 0.38], "anchor": "x", "rangemode": "tozero",
-                            "title": {"text": f"at each peak ({unit})"}}
-        layout["xaxis"]["anchor"] = "y2"
+    if stacked:
+        _stack_below(layout, unit)
     if report.oom is not None:
-        layout["shapes"] = [{"type": "line", "xref": "x", "yref": "paper", "y0": 0, "y1": 1,
-                             "x0": report.oom.iteration, "x1": report.oom.iteration,
-                             "line": {"color": _COLOURS["leak"], "width": 2}}]
-        layout["annotations"] = [{"x": report.oom.iteration, "y": 1, "yref": "paper",
-                                  "text": "out of memory", "showarrow": False,
-                                  "font": {"color": _COLOURS["leak"]}, "yanchor": "bottom"}]
+        _mark_oom(layout, report.oom.iteration)
     return {"data": traces, "layout": layout}
 
 

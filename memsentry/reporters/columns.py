@@ -34,13 +34,23 @@ class LayerColumn:
         if self.attr is None:
             return layer_share(layer, peak)
         value = getattr(layer, self.attr)
-        return str(value) if self.attr == "calls" else format_bytes(value, compact=True)
+        if self.attr == "calls":
+            return calls_cell(layer)
+        return format_bytes(value, compact=True)
+
+
+def calls_cell(layer: LayerStats) -> str:
+    """The forward calls of ``layer``, marked ``>=`` when some ran without a hook of
+    memsentry's on it (they went uncounted)."""
+    return str(layer.calls) if layer.calls_complete else f">={layer.calls}"
 
 
 LAYER_COLUMNS: tuple[LayerColumn, ...] = (
     LayerColumn("layer", "module path (indented by depth)"),
     LayerColumn("type", "module class"),
-    LayerColumn("calls", "forward calls", "calls"),
+    LayerColumn("calls", "forward calls (>=: some ran with no hook on the module, in light "
+                "iterations or outside the window of layers measured, and went uncounted)",
+                "calls"),
     LayerColumn("params", "parameters of the module and its children", "param_bytes",
                 summed=True),
     LayerColumn("output", "storage of the tensors the forward returned", "output_bytes",

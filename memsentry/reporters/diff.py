@@ -149,33 +149,58 @@ def _finding_lines(finding: Finding, width: int) -> str:
     return _fill(head, width, "        ")
 
 
+def _appeared(diff: ReportDiff, width: int) -> str | None:
+    """The findings that appeared, each with its fix; ``None`` when none did."""
+    if not diff.appeared:
+        return None
+    lines = [f"Findings that appeared ({len(diff.appeared)})"]
+    for finding in diff.appeared:
+        lines.append(_finding_lines(finding, width))
+        lines.append(_fill(f"        fix: {finding.fix}", width, "             "))
+    return "\n".join(lines)
+
+
+def _disappeared(diff: ReportDiff, width: int) -> str | None:
+    """The findings that disappeared; ``None`` when none did."""
+    if not diff.disappeared:
+        return None
+    return "\n".join([f"Findings that disappeared ({len(diff.disappeared)})",
+                      *(_finding_lines(f, width) for f in diff.disappeared)])
+
+
+def _pair_figures(old: Finding, new: Finding) -> list[str]:
+    """A finding's bytes and rate in both runs (old -> new), those either run gave."""
+    figures = []
+    if old.bytes is not None or new.bytes is not None:
+        figures.append(f"{format_bytes(old.bytes)} -> {format_bytes(new.bytes)}")
+    if old.rate is not None or new.rate is not None:
+        figures.append(f"{format_rate(old.rate, signed=True)} -> "
+                       f"{format_rate(new.rate, signed=True)}")
+    return figures
+
+
+def _persisted_line(old: Finding, new: Finding, width: int) -> str:
+    """One finding of both runs: severity, rule, where, and its figures in both."""
+    where = f" [{new.where}]" if new.where else ""
+    text = f"  {str(new.severity).upper():5} {new.rule}{where}"
+    figures = _pair_figures(old, new)
+    if figures:
+        text += ": " + ", ".join(figures)
+    return _fit(text, width, keep_end=False)
+
+
+def _persisted(diff: ReportDiff, width: int) -> str | None:
+    """The findings in both runs; ``None`` when none is."""
+    if not diff.persisted:
+        return None
+    return "\n".join([f"Findings in both runs ({len(diff.persisted)})",
+                      *(_persisted_line(pair.old, pair.new, width) for pair in diff.persisted)])
+
+
 def render_findings(diff: ReportDiff, *, width: int = 100) -> str | None:
     """The findings that appeared (with their fix) and disappeared, and those in both."""
-    parts = []
-    if diff.appeared:
-        lines = [f"Findings that appeared ({len(diff.appeared)})"]
-        for finding in diff.appeared:
-            lines.append(_finding_lines(finding, width))
-            lines.append(_fill(f"        fix: {finding.fix}", width, "             "))
-        parts.append("\n".join(lines))
-    if diff.disappeared:
-        parts.append("\n".join([f"Findings that disappeared ({len(diff.disappeared)})",
-                                *(_finding_lines(f, width) for f in diff.disappeared)]))
-    if diff.persisted:
-        lines = [f"Findings in both runs ({len(diff.persisted)})"]
-        for pair in diff.persisted:
-            where = f" [{pair.new.where}]" if pair.new.where else ""
-            figures = []
-            if pair.old.bytes is not None or pair.new.bytes is not None:
-                figures.append(f"{format_bytes(pair.old.bytes)} -> {format_bytes(pair.new.bytes)}")
-            if pair.old.rate is not None or pair.new.rate is not None:
-                figures.append(f"{format_rate(pair.old.rate, signed=True)} -> "
-                               f"{format_rate(pair.new.rate, signed=True)}")
-            text = f"  {str(pair.new.severity).upper():5} {pair.new.rule}{where}"
-            lines.append(_fit(text + (": " + ", ".join(figures) if figures else ""), width,
-                              keep_end=False))
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) or None
+    parts = [_appeared(diff, width), _disappeared(diff, width), _persisted(diff, width)]
+    return "\n\n".join(part for part in parts if part is not None) or None
 
 
 def _within(diff: ReportDiff, check: LimitCheck) -> list[str]:

@@ -14,7 +14,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from memsentry.model import Finding, IterationStats, LimitCheck, ReportDiff, RunSummary
+from memsentry.model import (
+    CategoryChange,
+    Finding,
+    IterationStats,
+    LimitCheck,
+    ReportDiff,
+    RunSummary,
+)
 from memsentry.model.diff import LayerChange, format_share
 from memsentry.reporters.charts import AT_MOST, iteration_axis, thin, unit_for
 from memsentry.reporters.diff import _layer_delta, headline_rows, render_check, run_lines
@@ -60,20 +67,34 @@ def _run_traces(run: RunSummary, which: str, scale: int, unit: str,
     return traces
 
 
+def _on_timeline(findings: Sequence[tuple[int, Finding]],
+                 by_index: dict[int, IterationStats]) -> list[tuple[int, Finding, int]]:
+    """(card index, finding, iteration) of each finding whose iteration the run recorded."""
+    marked = []
+    for index, finding in findings:
+        if finding.iteration is not None and finding.iteration in by_index:
+            marked.append((index, finding, finding.iteration))
+    return marked
+
+
+def _marker_text(finding: Finding) -> str:
+    """A marker's hover text: severity, rule and the message's start."""
+    text = f"{finding.severity.value.upper()} {finding.rule}: {finding.message[:90]}"
+    return html.escape(text, quote=False)
+
+
 def _finding_markers(findings: Sequence[tuple[int, Finding]], run: RunSummary, which: str,
                      scale: int) -> dict[str, Any] | None:
     """The findings of one side, marked at their iteration on that run's peak line."""
     by_index: dict[int, IterationStats] = {it.index: it for it in run.timeline}
-    marked = [(i, f) for i, f in findings if f.iteration is not None and f.iteration in by_index]
+    marked = _on_timeline(findings, by_index)
     if not marked:
         return None
-    texts = [html.escape(f"{f.severity.value.upper()} {f.rule}: {f.message[:90]}", quote=False)
-             for _, f in marked]
     return {
         "type": "scatter", "mode": "markers", "name": f"finding {which}",
-        "x": [f.iteration for _, f in marked],
-        "y": [by_index[f.iteration].peak / scale for _, f in marked if f.iteration is not None],
-        "text": texts, "customdata": [i for i, _ in marked],
+        "x": [at for _, _, at in marked],
+        "y": [by_index[at].peak / scale for _, _, at in marked],
+        "text": [_marker_text(f) for _, f, _ in marked], "customdata": [i for i, _, _ in marked],
         "marker": {"symbol": "x" if which == "appeared" else "circle-open", "size": 12,
                    "color": _COLOURS[which], "line": {"width": 2, "color": _COLOURS[which]}},
         "hovertemplate": "%{text}<extra>click: show the finding</extra>",
@@ -91,31 +112,60 @@ def _layout(unit: str, title: str, *, height: int, x_title: str) -> dict[str, An
     }
 
 
+def _runs(diff: ReportDiff) -> list[tuple[RunSummary, str]]:
+    """Each run that closed an iteration, with its side: old first."""
+    return [(run, which) for run, which in ((diff.old, "old"), (diff.new, "new")) if run.timeline]
+
+
+def _largest(runs: Sequence[RunSummary]) -> int:
+    """The most memory any of ``runs`` allocated or peaked at, at an iteration."""
+    return max(max(it.peak, it.allocated) for run in runs for it in run.timeline)
+
+
+def _side_markers(diff: ReportDiff, cards: Sequence[tuple[int, Finding, str]],
+                  scale: int) -> list[dict[str, Any]]:
+    """The findings that appeared, marked on the new run, and those that disappeared, on the
+    old one."""
+    traces = []
+    for which, run in (("appeared", diff.new), ("disappeared", diff.old)):
+        side = [(i, f) for i, f, card_side in cards if card_side == which]
+        marker = _finding_markers(side, run, which, scale)
+        if marker is not None:
+            traces.append(marker)
+    return traces
+
+
 def runs_figure(diff: ReportDiff, cards: Sequence[tuple[int, Finding, str]], *,
                 at_most: int = AT_MOST) -> dict[str, Any] | None:
     """Both runs' allocated and peak lines on one iteration axis, the findings that appeared
     marked on the new run and those that disappeared on the old one; ``None`` when neither
     run closed an iteration."""
-    runs = [run for run in (diff.old, diff.new) if run.timeline]
+    runs = _runs(diff)
     if not runs:
         return None
-    largest = max(max(it.peak, it.allocated) for run in runs for it in run.timeline)
-    scale, unit = unit_for(largest)
+    scale, unit = unit_for(_largest([run for run, _ in runs]))
     traces = []
-    for run, which in ((diff.old, "old"), (diff.new, "new")):
-        if run.timeline:
-            traces += _run_traces(run, which, scale, unit, at_most)
-    for which, run in (("appeared", diff.new), ("disappeared", diff.old)):
-        marker = _finding_markers([(i, f) for i, f, side in cards if side == which], run, which,
-                                  scale)
-        if marker is not None:
-            traces.append(marker)
+    for run, which in runs:
+        traces += _run_traces(run, which, scale, unit, at_most)
+    traces += _side_markers(diff, cards, scale)
     title = (f"Both runs on one axis: old {diff.old.iterations:,} iterations, new "
              f"{diff.new.iterations:,}")
     layout = _layout(unit, title, height=400, x_title="iteration")
-    layout["xaxis"] = iteration_axis("iteration", [it for run in runs for it in run.timeline])
+    layout["xaxis"] = iteration_axis("iteration", [it for run, _ in runs for it in run.timeline])
     layout["hovermode"] = "x"
     return {"data": traces, "layout": layout}
+
+
+def _category_trace(rows: Sequence[CategoryChange], which: str, scale: int,
+                    unit: str) -> dict[str, Any]:
+    """One run's bars (``which``: old or new), a bar per category."""
+    values = [getattr(c.bytes, which) for c in rows]
+    return {
+        "type": "bar", "name": which, "x": [_CATEGORY_LABELS.get(c.name, c.name) for c in rows],
+        "y": [None if v is None else v / scale for v in values],
+        "marker": {"color": _COLOURS[which]},
+        "hovertemplate": f"{which} %{{y:.4g}} {unit}<extra>%{{x}}</extra>",
+    }
 
 
 def categories_figure(diff: ReportDiff) -> dict[str, Any] | None:
@@ -124,18 +174,8 @@ def categories_figure(diff: ReportDiff) -> dict[str, Any] | None:
     rows = [c for c in diff.categories if c.name != "total"]
     if not rows:
         return None
-    largest = max(max(c.bytes.old or 0, c.bytes.new or 0) for c in rows)
-    scale, unit = unit_for(largest)
-    names = [_CATEGORY_LABELS.get(c.name, c.name) for c in rows]
-    traces = []
-    for which in ("old", "new"):
-        values = [getattr(c.bytes, which) for c in rows]
-        traces.append({
-            "type": "bar", "name": which, "x": names,
-            "y": [None if v is None else v / scale for v in values],
-            "marker": {"color": _COLOURS[which]},
-            "hovertemplate": f"{which} %{{y:.4g}} {unit}<extra>%{{x}}</extra>",
-        })
+    scale, unit = unit_for(max(max(c.bytes.old or 0, c.bytes.new or 0) for c in rows))
+    traces = [_category_trace(rows, which, scale, unit) for which in ("old", "new")]
     layout = _layout(unit, "Memory at each run's highest peak, by category", height=320,
                      x_title="")
     layout["barmode"] = "group"

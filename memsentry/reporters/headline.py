@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from memsentry.model import Finding, ReportData, Severity
+from memsentry.model import Finding, OutOfMemory, ReportData, Severity
 from memsentry.units import format_bytes
 
 #: Findings named in the headline at most; the others are counted.
@@ -35,30 +35,44 @@ def _named(finding: Finding) -> str:
     return f"{text.strip()} ({finding.rule})" if text else finding.rule
 
 
-def headline(report: ReportData) -> str:
-    """The one-line summary the text report starts with."""
+def _oom_part(oom: OutOfMemory | None) -> str | None:
+    """That the run died of running out of memory, and where; ``None`` when it did not."""
+    if oom is None:
+        return None
+    if oom.outside:
+        return (f"out of memory outside PyTorch's caching allocator in the {oom.where} "
+                f"(iteration {oom.iteration}); the post-mortem below says what held memory and "
+                "what leaves room")
+    return (f"out of memory in the {oom.where} (iteration {oom.iteration}); the post-mortem "
+            "below says what held memory and what would have fit")
+
+
+def _serious_part(serious: list[Finding], counts: Counter[Severity]) -> str:
+    """The leaks and wastes counted, the first :data:`NAMED` of them named."""
+    named = "; ".join(_named(f) for f in serious[:NAMED])
+    more = len(serious) - NAMED
+    return f"{_counted(counts)}: {named}" + (f"; and {more} more" if more > 0 else "")
+
+
+def _findings_part(report: ReportData) -> str | None:
+    """The findings in a few words: the leaks and wastes named, else the hints counted, else
+    that there was none (unless the run died of running out of memory: ``None``)."""
     counts = Counter(f.severity for f in report.findings)
     serious = [f for f in report.findings if f.severity is not Severity.HINT]
-    parts = []
-    if report.oom is not None:
-        oom = report.oom
-        if oom.outside:
-            parts.append(f"out of memory outside PyTorch's caching allocator in the "
-                         f"{oom.where} (iteration {oom.iteration}); the post-mortem below says "
-                         "what held memory and what leaves room")
-        else:
-            parts.append(f"out of memory in the {oom.where} (iteration {oom.iteration}); "
-                         "the post-mortem below says what held memory and what would have fit")
     if serious:
-        named = "; ".join(_named(f) for f in serious[:NAMED])
-        more = len(serious) - NAMED
-        parts.append(f"{_counted(counts)}: {named}" + (f"; and {more} more" if more > 0 else ""))
-    elif counts:
+        return _serious_part(serious, counts)
+    if counts:
         rules = ", ".join(dict.fromkeys(f.rule for f in report.findings))
-        parts.append(f"no leak or waste found; {_counted(counts)} ({rules})")
-    elif report.oom is None:
-        parts.append("no finding" + _moved(report))
-    return "memsentry: " + "; ".join(parts)
+        return f"no leak or waste found; {_counted(counts)} ({rules})"
+    if report.oom is None:
+        return "no finding" + _moved(report)
+    return None
+
+
+def headline(report: ReportData) -> str:
+    """The one-line summary the text report starts with."""
+    parts = [_oom_part(report.oom), _findings_part(report)]
+    return "memsentry: " + "; ".join(part for part in parts if part is not None)
 
 
 def _moved(report: ReportData) -> str:

@@ -130,33 +130,51 @@ def _layer_cells(layer: LayerStats, report: ReportData, tops: dict[str, int]) ->
             width = max(1, round(100 * max(value, 0) / tops[attr]))
             drawn = f'<span class="bar" style="width:{width}%"></span>'
         sort = -1e30 if value is None else value
-        cells.append(f'<td data-v="{sort}">{drawn}<span class="v">{shown}</span></td>')
+        cells.append(f'<td data-v="{sort}">{drawn}<span class="v">{html.escape(shown)}</span>'
+                     '</td>')
     return "".join(cells)
 
 
+def _tops(layers: Sequence[LayerStats]) -> dict[str, int]:
+    """The largest value of each column drawn as a bar, which the bars are scaled to."""
+    return {c.attr: max((getattr(x, c.attr) or 0 for x in layers), default=0)
+            for c in LAYER_COLUMNS if c.bar and c.attr}
+
+
+def _layers_head() -> str:
+    """The table's headings, each with what its column is as a tooltip."""
+    return "".join(
+        f'<th title="{html.escape(c.about)}" data-col="{i}">{html.escape(c.heading)}</th>'
+        for i, c in enumerate(LAYER_COLUMNS))
+
+
+def _layer_row(index: int, layer: LayerStats, parent: int | None, has_children: bool,
+               cells: str) -> str:
+    """One layer's row: its fold button (a module with children) or leaf mark, indented by
+    depth, its name and type, then ``cells``."""
+    toggle = ('<button class="fold" aria-label="fold">▾</button>' if has_children
+              else '<span class="leaf"></span>')
+    parent_of = "" if parent is None else f' data-parent="{parent}"'
+    return (f'<tr data-row="{index}" data-depth="{layer.depth}"{parent_of}>'
+            f'<td data-v="{index}" style="padding-left:{0.3 + layer.depth * 1.1:.1f}em">'
+            f"{toggle}<code>{html.escape(layer.name)}</code></td>"
+            f'<td data-v="{html.escape(layer.type)}">{html.escape(layer.type)}</td>'
+            f"{cells}</tr>")
+
+
 def _layers(report: ReportData) -> str:
+    """The layer table: a row per layer in call order, foldable by module, sortable by
+    column; a line when no module forward ran."""
     if not report.layers:
         return "<p class='none'>No module forward ran while tracking.</p>"
     layers = report.layers
     parents = _parents(layers)
     has_children = {p for p in parents if p is not None}
-    tops = {c.attr: max((getattr(x, c.attr) or 0 for x in layers), default=0)
-            for c in LAYER_COLUMNS if c.bar and c.attr}
-    head = "".join(
-        f'<th title="{html.escape(c.about)}" data-col="{i}">{html.escape(c.heading)}</th>'
-        for i, c in enumerate(LAYER_COLUMNS))
-    rows = []
-    for i, layer in enumerate(layers):
-        toggle = ('<button class="fold" aria-label="fold">▾</button>' if i in has_children
-                  else '<span class="leaf"></span>')
-        parent = "" if parents[i] is None else f' data-parent="{parents[i]}"'
-        rows.append(
-            f'<tr data-row="{i}" data-depth="{layer.depth}"{parent}>'
-            f'<td data-v="{i}" style="padding-left:{0.3 + layer.depth * 1.1:.1f}em">{toggle}'
-            f"<code>{html.escape(layer.name)}</code></td>"
-            f'<td data-v="{html.escape(layer.type)}">{html.escape(layer.type)}</td>'
-            f"{_layer_cells(layer, report, tops)}</tr>")
-    return (f'<table class="layers"><thead><tr>{head}</tr></thead>'
+    tops = _tops(layers)
+    rows = [_layer_row(i, layer, parents[i], i in has_children,
+                       _layer_cells(layer, report, tops))
+            for i, layer in enumerate(layers)]
+    return (f'<table class="layers"><thead><tr>{_layers_head()}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table>'
             '<p class="hint">Click a heading to sort (click "layer" again for the module tree); '
             "▾ folds a module's children. Bytes are per call: the worst call after the first.</p>")

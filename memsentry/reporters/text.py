@@ -134,53 +134,101 @@ def render_layers(report: ReportData, *, max_depth: int | None, top: int | None,
     return f"{title}\n{table}"
 
 
-def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int = 100) -> str:
-    its = report.iterations
-    if not its:
-        return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
-    shown: list[IterationStats | None] = list(its)
-    if len(its) > rows_at_most:
-        head = rows_at_most // 3
-        shown = [*its[:head], None, *its[-(rows_at_most - head):]]
-    resident = any(it.resident is not None for it in its)
-    headers = _ITER_HEADERS[:-1] + ("resident",) * resident + _ITER_HEADERS[-1:]
+def _shown_iterations(its: Sequence[IterationStats], rows_at_most: int
+                      ) -> list[IterationStats | None]:
+    """The iterations the table shows: all of them, or the first third and the last of
+    ``rows_at_most`` with ``None`` where the middle is left out."""
+    if len(its) <= rows_at_most:
+        return list(its)
+    head = rows_at_most // 3
+    return [*its[:head], None, *its[-(rows_at_most - head):]]
+
+
+def _elided(it: IterationStats | None, before: IterationStats | None,
+            rows: list[list[str]]) -> bool:
+    """Whether a ``…`` row goes before ``it``: the table leaves iterations out here
+    (``None``), or iterations since ``before`` were not read (passed), unless the row above
+    already is one."""
+    if it is None:
+        return True
+    return before is not None and it.index > before.index + 1 and rows[-1][0] != "…"
+
+
+def _iteration_row(it: IterationStats, report: ReportData, resident: bool) -> list[str]:
+    """One iteration's cells: its index, allocated, change since the start, peak, reserved,
+    resident (when the table has the column) and time."""
+    label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
+    return [label, format_bytes(it.allocated),
+            format_bytes(it.allocated - report.baseline, signed=True),
+            _peak_cell(it, report), format_bytes(it.reserved),
+            *[format_bytes(it.resident)] * resident,
+            f"{it.seconds * 1000:.1f} ms"]
+
+
+def _iteration_rows(report: ReportData, shown: list[IterationStats | None], resident: bool,
+                    columns: int) -> list[list[str]]:
+    """The table's rows, with a ``…`` row (``columns`` cells) wherever iterations are left
+    out."""
     rows: list[list[str]] = []
     before: IterationStats | None = None
     for it in shown:
-        if it is None or (before is not None and it.index > before.index + 1
-                          and rows[-1][0] != "…"):  # elided here, or not read (passed)
-            rows.append(["…"] + [""] * (len(headers) - 1))
+        if _elided(it, before, rows):
+            rows.append(["…"] + [""] * (columns - 1))
         before = it
-        if it is None:
-            continue
-        label = f"{it.index}" + (" (end)" if it.boundary == Boundary.EXIT else "")
-        rows.append([label, format_bytes(it.allocated),
-                     format_bytes(it.allocated - report.baseline, signed=True),
-                     _peak_cell(it, report), format_bytes(it.reserved),
-                     *[format_bytes(it.resident)] * resident,
-                     f"{it.seconds * 1000:.1f} ms"])
-    table = tabulate(rows, headers=headers, tablefmt="simple",
-                     colalign=("right",) * len(headers), disable_numparse=True)
+        if it is not None:
+            rows.append(_iteration_row(it, report, resident))
+    return rows
+
+
+def _iterations_title(report: ReportData, its: Sequence[IterationStats], resident: bool) -> str:
+    """The table's title: the iterations recorded, those thinned out and passed, and what the
+    columns read."""
     missing = sum(b.index - a.index - 1 for a, b in itertools.pairwise(its))
     passed = max(0, missing - report.dropped_iterations)
-    title = (f"Iterations ({len(its)} recorded"
-             + (f", {report.dropped_iterations} thinned out" if report.dropped_iterations else "")
-             + (f", {passed} passed with a count only (their boundaries not read, to keep "
-                "to the budget)" if passed else "")
-             + "; allocated at each boundary, peak inside"
-             + ("; reserved '-': not read in a light iteration"
-                if any(it.reserved is None for it in its) else "")
-             + ("; resident: the whole process, as the system counts it" if resident else "")
-             + ")")
-    lines = [fill(title, width, subsequent_indent="  "), table]
+    clauses = (
+        (report.dropped_iterations, f", {report.dropped_iterations} thinned out"),
+        (passed, f", {passed} passed with a count only (their boundaries not read, to keep "
+                 "to the budget)"),
+        (True, "; allocated at each boundary, peak inside"),
+        (any(it.reserved is None for it in its),
+         "; reserved '-': not read in a light iteration"),
+        (resident, "; resident: the whole process, as the system counts it"),
+    )
+    said = "".join(text for shown, text in clauses if shown)
+    return f"Iterations ({len(its)} recorded{said})"
+
+
+def _iterations_summary(its: Sequence[IterationStats]) -> str | None:
+    """The median iteration's time and, past the first iteration, how allocated changes per
+    iteration; ``None`` when no iteration is complete."""
     closed = complete(its)
-    if closed:
-        median_s = statistics.median(it.seconds for it in closed)
-        summary = f"median iteration {median_s * 1000:.1f} ms"
-        slope = growth_per_iteration(its, warmup=1, at_least=3)
-        if slope is not None:
-            summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
-            summary += " after the first iteration"
+    if not closed:
+        return None
+    median_s = statistics.median(it.seconds for it in closed)
+    summary = f"median iteration {median_s * 1000:.1f} ms"
+    slope = growth_per_iteration(its, warmup=1, at_least=3)
+    if slope is not None:
+        summary += f"; allocated changes by {format_bytes(round(slope), signed=True)}/iter"
+        summary += " after the first iteration"
+    return summary
+
+
+def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int = 100) -> str:
+    """The iterations table (at most ``rows_at_most`` rows), its title and summary, fitted to
+    ``width``."""
+    its = report.iterations
+    if not its:
+        return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
+    resident = any(it.resident is not None for it in its)
+    headers = _ITER_HEADERS[:-1] + ("resident",) * resident + _ITER_HEADERS[-1:]
+    rows = _iteration_rows(report, _shown_iterations(its, rows_at_most), resident,
+                           len(headers))
+    table = tabulate(rows, headers=headers, tablefmt="simple",
+                     colalign=("right",) * len(headers), disable_numparse=True)
+    lines = [fill(_iterations_title(report, its, resident), width, subsequent_indent="  "),
+             table]
+    summary = _iterations_summary(its)
+    if summary is not None:
         lines.append(fill(summary, width))
     return "\n".join(lines)
 

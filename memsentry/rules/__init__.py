@@ -34,14 +34,32 @@ def _is_cause(finding: Finding) -> bool:
 
 def analyse(report: ReportData, rules: Sequence[str] | None = None) -> tuple[Finding, ...]:
     """Run the rules named in ``rules`` (all by default) on ``report``; most severe first."""
-    unknown = [rule_id for rule_id in rules or () if rule_id not in RULES]
+    findings = [f for rule_id in _chosen(rules) for f in RULES[rule_id](report)]
+    return tuple(sorted(_without_fallbacks(findings), key=_order))
+
+
+def _chosen(rules: Sequence[str] | None) -> Sequence[str]:
+    """The ids of the rules to run: ``rules``, or every rule when none is named; an id that
+    names no rule raises ``ValueError``."""
+    if not rules:
+        return tuple(RULES)
+    unknown = [rule_id for rule_id in rules if rule_id not in RULES]
     if unknown:
         raise ValueError(f"unknown rule id(s) {unknown}; known rules: {sorted(RULES)}")
-    findings = [f for rule_id in (rules or RULES) for f in RULES[rule_id](report)]
-    if any(_is_cause(f) for f in findings):
-        findings = [f for f in findings if not RULES[f.rule].fallback]
-    findings.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], -(f.bytes or 0)))
-    return tuple(findings)
+    return rules
+
+
+def _without_fallbacks(findings: list[Finding]) -> list[Finding]:
+    """``findings`` less those of the fallback rules, when one of them names a cause of
+    growth (a leak is reported once, under its cause)."""
+    if not any(_is_cause(f) for f in findings):
+        return findings
+    return [f for f in findings if not RULES[f.rule].fallback]
+
+
+def _order(finding: Finding) -> tuple[int, int]:
+    """Leaks first, then waste, then hints; larger first."""
+    return _SEVERITY_ORDER[finding.severity], -(finding.bytes or 0)
 
 
 def remarks(report: ReportData, findings: Sequence[Finding]) -> tuple[str, ...]:

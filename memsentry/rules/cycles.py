@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from memsentry.model import Finding, GarbageStats, ReportData, Severity, Subject, SubjectKind
+from collections.abc import Sequence
+
+from memsentry.model import (
+    Census,
+    Finding,
+    GarbageStats,
+    ReportData,
+    Severity,
+    Subject,
+    SubjectKind,
+)
 from memsentry.rules.registry import rule
 from memsentry.rules.series import plural
 from memsentry.units import format_bytes
@@ -43,34 +53,60 @@ def reference_cycle(report: ReportData) -> list[Finding]:
     with the collector disabled (nothing ever frees them), waste with it on (they wait for
     the collection of their generation). Automatic full collections that freed memory count
     as evidence, once tensors were seen in a cycle."""
-    sightings = [c for c in report.censuses if c.garbage is not None and c.garbage.tensors]
+    sightings = [c for c in report.censuses if _saw_tensors(c)]
     if len(sightings) < MIN_SIGHTINGS:
         return []
-    last = sightings[-1].garbage
-    assert last is not None
-    largest = max((c.garbage for c in sightings if c.garbage), key=lambda g: g.bytes)
-    earlier = [c.iteration for c in report.censuses]
-    index = earlier.index(sightings[-1].iteration)
-    span = earlier[index] - earlier[index - 1] if index else earlier[index] + 1
-    per_iteration = last.bytes / max(span, 1)
-    full_freed = sum(c.garbage.full_freed for c in sightings if c.garbage)
+    garbage = [c.garbage for c in sightings if c.garbage is not None]
+    last, iteration = garbage[-1], sightings[-1].iteration
     message = (
         f"reference cycles owned {plural(last.tensors, 'tensor')} ({format_bytes(last.bytes)}) at "
-        f"iteration {sightings[-1].iteration}, found at {len(sightings)} of "
+        f"iteration {iteration}, found at {len(sightings)} of "
         f"{len(report.censuses)} censuses; only the garbage collector frees them. The "
         f"unreachable objects are {_types(last)}"
     )
-    if full_freed:
-        message += f"; automatic full collections freed {format_bytes(full_freed)} meanwhile"
-    if last.gc_enabled:
-        message += ": memory rises until the collector runs, then drops (a sawtooth)"
-        severity = Severity.WASTE
-    else:
-        message += ": the garbage collector is disabled, so nothing frees them"
-        severity = Severity.LEAK
+    message += _full_collections_note(garbage) + _collector_note(last)
+    largest = max(garbage, key=lambda g: g.bytes)
     return [
-        Finding(rule=RULE_ID, severity=severity, message=message, fix=_fix(last),
-                bytes=max(largest.bytes, last.freed), rate=per_iteration, objects=last.tensors,
-                subject=Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None,
-                iteration=sightings[-1].iteration)
+        Finding(rule=RULE_ID, severity=_severity(last), message=message, fix=_fix(last),
+                bytes=max(largest.bytes, last.freed),
+                rate=last.bytes / _span(report.censuses, iteration), objects=last.tensors,
+                subject=_subject(last), iteration=iteration)
     ]
+
+
+def _saw_tensors(census: Census) -> bool:
+    """Whether the census's collection found tensors among the unreachable objects."""
+    return census.garbage is not None and bool(census.garbage.tensors)
+
+
+def _span(censuses: Sequence[Census], iteration: int) -> int:
+    """The iterations since the census before the one at ``iteration`` (since the start for
+    the first census), one at least."""
+    earlier = [c.iteration for c in censuses]
+    index = earlier.index(iteration)
+    span = earlier[index] - earlier[index - 1] if index else earlier[index] + 1
+    return max(span, 1)
+
+
+def _full_collections_note(garbage: Sequence[GarbageStats]) -> str:
+    """What automatic full collections freed meanwhile (nothing said when nothing)."""
+    full_freed = sum(g.full_freed for g in garbage)
+    if not full_freed:
+        return ""
+    return f"; automatic full collections freed {format_bytes(full_freed)} meanwhile"
+
+
+def _severity(last: GarbageStats) -> Severity:
+    """WASTE while the collector runs (it frees the cycles, late); LEAK when it is off."""
+    return Severity.WASTE if last.gc_enabled else Severity.LEAK
+
+
+def _collector_note(last: GarbageStats) -> str:
+    if last.gc_enabled:
+        return ": memory rises until the collector runs, then drops (a sawtooth)"
+    return ": the garbage collector is disabled, so nothing frees them"
+
+
+def _subject(last: GarbageStats) -> Subject | None:
+    """The type the unreachable objects are mostly of."""
+    return Subject(SubjectKind.TYPE, last.types[0][0]) if last.types else None

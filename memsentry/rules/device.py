@@ -66,9 +66,12 @@ def _fragmentation_fix(native: bool) -> str:
 
 
 def _slope(its: list[IterationStats], value: Callable[[IterationStats], float]) -> float:
-    """How fast ``value`` changes per iteration over ``its``."""
-    return statistics.linear_regression([float(it.index) for it in its],
-                                        [value(it) for it in its]).slope
+    """How fast ``value`` changes per iteration over ``its`` (0 when they share one index:
+    a report edited by hand)."""
+    indexes = [float(it.index) for it in its]
+    if len(set(indexes)) < 2:
+        return 0.0
+    return statistics.linear_regression(indexes, [value(it) for it in its]).slope
 
 
 def _fragmentation_details(report: ReportData, reserved_rate: float | None,

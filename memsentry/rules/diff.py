@@ -145,36 +145,64 @@ _SAME_WAY = ("measure both runs the same way (track(exact=True) or `memsentry ru
 
 def mismatches(old: RunSummary, new: RunSummary) -> tuple[Mismatch, ...]:
     """Where the two runs differ in a way that makes their figures compare badly."""
-    found = []
-    if old.device != new.device:
-        found.append(Mismatch("device", old.device, new.device, (
-            f"the runs were on different devices (old {old.device}, new {new.device}): the same "
-            "program allocates differently on each; compare runs on the same device")))
-    if old.backend != new.backend:
-        found.append(Mismatch("backend", old.backend, new.backend, (
-            f"the runs were measured by different backends (old {old.backend}, counting "
-            f"{_counts(old)}; new {new.backend}, counting {_counts(new)}): comparing across "
-            f"backends is misleading, their figures count different memory; {_SAME_WAY}")))
-    elif old.measured != new.measured:
-        found.append(Mismatch("measured", str(old.measured), str(new.measured), (
-            f"the runs' figures count different memory (old {_counts(old)}, new "
-            f"{_counts(new)}): the changes mix the two; {_SAME_WAY}")))
-    if old.peak_mode != new.peak_mode and old.backend == new.backend:
-        found.append(Mismatch("peak_mode", str(old.peak_mode), str(new.peak_mode), (
-            f"the runs read peaks differently (old {old.peak_mode}, new {new.peak_mode}): "
-            "sampled peaks are lower bounds, exact ones count every allocation, so part of "
-            f"the peak's change is the method; {_SAME_WAY}")))
-    if old.torch_version != new.torch_version:
-        found.append(Mismatch("torch_version", old.torch_version, new.torch_version, (
-            f"the runs used different torch versions (old {old.torch_version or 'unknown'}, "
-            f"new {new.torch_version or 'unknown'}): kernels and the allocator may allocate "
-            "differently, so a change may be torch's rather than your code's")))
-    if old.iterations and new.iterations and old.iterations != new.iterations:
-        found.append(Mismatch("iterations", str(old.iterations), str(new.iterations), (
-            f"the runs recorded different numbers of iterations (old {old.iterations}, new "
-            f"{new.iterations}): a leak's peak grows with the length of the run, so compare "
-            "the growth rates, or runs of the same length")))
-    return tuple(found)
+    found = (differs(old, new) for differs in (_device, _backend, _measured, _peak_mode,
+                                                _torch_version, _iterations))
+    return tuple(mismatch for mismatch in found if mismatch is not None)
+
+
+def _device(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    if old.device == new.device:
+        return None
+    return Mismatch("device", old.device, new.device, (
+        f"the runs were on different devices (old {old.device}, new {new.device}): the same "
+        "program allocates differently on each; compare runs on the same device"))
+
+
+def _backend(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    if old.backend == new.backend:
+        return None
+    return Mismatch("backend", old.backend, new.backend, (
+        f"the runs were measured by different backends (old {old.backend}, counting "
+        f"{_counts(old)}; new {new.backend}, counting {_counts(new)}): comparing across "
+        f"backends is misleading, their figures count different memory; {_SAME_WAY}"))
+
+
+def _measured(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    """What the figures count, within one backend (across backends, ``_backend`` says it)."""
+    if old.backend != new.backend or old.measured == new.measured:
+        return None
+    return Mismatch("measured", str(old.measured), str(new.measured), (
+        f"the runs' figures count different memory (old {_counts(old)}, new "
+        f"{_counts(new)}): the changes mix the two; {_SAME_WAY}"))
+
+
+def _peak_mode(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    """How peaks were read, within one backend."""
+    if old.peak_mode == new.peak_mode or old.backend != new.backend:
+        return None
+    return Mismatch("peak_mode", str(old.peak_mode), str(new.peak_mode), (
+        f"the runs read peaks differently (old {old.peak_mode}, new {new.peak_mode}): "
+        "sampled peaks are lower bounds, exact ones count every allocation, so part of "
+        f"the peak's change is the method; {_SAME_WAY}"))
+
+
+def _torch_version(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    if old.torch_version == new.torch_version:
+        return None
+    return Mismatch("torch_version", old.torch_version, new.torch_version, (
+        f"the runs used different torch versions (old {old.torch_version or 'unknown'}, "
+        f"new {new.torch_version or 'unknown'}): kernels and the allocator may allocate "
+        "differently, so a change may be torch's rather than your code's"))
+
+
+def _iterations(old: RunSummary, new: RunSummary) -> Mismatch | None:
+    """Runs of different lengths (either without iterations: nothing to compare)."""
+    if not (old.iterations and new.iterations) or old.iterations == new.iterations:
+        return None
+    return Mismatch("iterations", str(old.iterations), str(new.iterations), (
+        f"the runs recorded different numbers of iterations (old {old.iterations}, new "
+        f"{new.iterations}): a leak's peak grows with the length of the run, so compare "
+        "the growth rates, or runs of the same length"))
 
 
 def _counts(run: RunSummary) -> str:
@@ -196,71 +224,115 @@ def diff(old: ReportData, new: ReportData, *, old_label: str = "old",
     )
 
 
-def _peak_checks(change: ReportDiff, limits: Limits) -> tuple[list[Breach], list[str]]:
-    breaches: list[Breach] = []
-    unchecked: list[str] = []
+#: What holding a change to one limit found: the limit crossed, why it could not be checked,
+#: or nothing (kept within it, or not asked for).
+Outcome = Breach | str | None
+
+_PEAK_FIX = ("look for what grew in the category and layer tables (larger activations, a new "
+             "layer, more optimizer state, a finding that appeared); if the increase is "
+             "intended, raise the limit")
+
+
+def _peak_rose(change: ReportDiff) -> str:
+    """How the peak rose, for the peak limits' messages."""
     peak = change.peak
     delta, share = peak.delta, peak.relative
-    if limits.max_peak_increase is None and limits.max_peak_increase_share is None:
-        return breaches, unchecked
-    if delta is None:
-        missing = "old" if peak.old is None else "new"
-        unchecked.append(f"peak increase: the {missing} report has no peak")
-        return breaches, unchecked
+    assert delta is not None
     by = "" if share is None else f" ({format_share(share)})"
-    rose = (f"the peak rose by {format_bytes(delta, signed=True)}{by}, "
+    return (f"the peak rose by {format_bytes(delta, signed=True)}{by}, "
             f"from {format_bytes(peak.old)} to {format_bytes(peak.new)}")
-    fix = ("look for what grew in the category and layer tables (larger activations, a new "
-           "layer, more optimizer state, a finding that appeared); if the increase is "
-           "intended, raise the limit")
-    allowed_share = limits.max_peak_increase_share
-    if allowed_share is not None:
-        if share is None:
-            unchecked.append(f"peak increase of at most {format_share(allowed_share)}: the old "
-                             "peak is 0, so the new one has no share of it")
-        elif share > allowed_share:
-            breaches.append(Breach(
-                "max-peak-increase", observed=share, allowed=allowed_share, fix=fix,
-                message=f"{rose}: over the limit of {format_share(allowed_share)}"))
-    allowed_bytes = limits.max_peak_increase
-    if allowed_bytes is not None and delta > allowed_bytes:
-        breaches.append(Breach(
-            "max-peak-increase", observed=delta, allowed=allowed_bytes, fix=fix,
-            message=f"{rose}: over the limit of {format_bytes(allowed_bytes, signed=True)}"))
-    return breaches, unchecked
+
+
+def _peak_missing(change: ReportDiff, limits: Limits) -> Outcome:
+    """A peak limit that cannot be checked: a report has no peak."""
+    if limits.max_peak_increase is None and limits.max_peak_increase_share is None:
+        return None
+    peak = change.peak
+    if peak.delta is not None:
+        return None
+    missing = "old" if peak.old is None else "new"
+    return f"peak increase: the {missing} report has no peak"
+
+
+def _peak_share(change: ReportDiff, limits: Limits) -> Outcome:
+    """``max_peak_increase_share``: the peak's rise as a share of the old peak."""
+    allowed = limits.max_peak_increase_share
+    if allowed is None or change.peak.delta is None:
+        return None
+    share = change.peak.relative
+    if share is None:
+        return (f"peak increase of at most {format_share(allowed)}: the old peak is 0, so "
+                "the new one has no share of it")
+    if share > allowed:
+        return Breach(
+            "max-peak-increase", observed=share, allowed=allowed, fix=_PEAK_FIX,
+            message=f"{_peak_rose(change)}: over the limit of {format_share(allowed)}")
+    return None
+
+
+def _peak_bytes(change: ReportDiff, limits: Limits) -> Outcome:
+    """``max_peak_increase``: the peak's rise in bytes."""
+    allowed, delta = limits.max_peak_increase, change.peak.delta
+    if allowed is None or delta is None:
+        return None
+    if delta > allowed:
+        return Breach(
+            "max-peak-increase", observed=delta, allowed=allowed, fix=_PEAK_FIX,
+            message=f"{_peak_rose(change)}: over the limit of "
+                    f"{format_bytes(allowed, signed=True)}")
+    return None
+
+
+def _growth_increase(change: ReportDiff, limits: Limits) -> Outcome:
+    """``max_growth_increase``: the rise of the growth rate, bytes per iteration."""
+    allowed = limits.max_growth_increase
+    if allowed is None:
+        return None
+    growth = change.growth
+    delta = growth.delta
+    if delta is None:
+        lacking = "old" if growth.old is None else "new"
+        return (f"growth increase: the {lacking} report has fewer than {WARMUP + 2} complete "
+                "iterations, too few for a growth rate")
+    if delta > allowed:
+        return Breach(
+            "max-growth-increase", observed=delta, allowed=allowed,
+            message=(f"memory growth rose by {format_rate(delta, signed=True)}, from "
+                     f"{format_rate(growth.old, signed=True)} to "
+                     f"{format_rate(growth.new, signed=True)}: over the limit of "
+                     f"{format_rate(allowed, signed=True)}"),
+            fix=("the new run keeps memory from every iteration: a leak; its findings "
+                 "(`memsentry show NEW.json`) name the holder and the line"))
+    return None
+
+
+def _named(finding: Finding) -> str:
+    """A finding's rule, with where it is when known: ``tensor-accumulation (train.py:12)``."""
+    return f"{finding.rule}" + (f" ({finding.where})" if finding.where else "")
+
+
+def _new_findings(change: ReportDiff, limits: Limits) -> Outcome:
+    """``fail_on_new_findings``: leak or waste findings the old run did not have."""
+    if not limits.fail_on_new_findings:
+        return None
+    new = [f for f in change.appeared if f.severity in FAILING_SEVERITIES]
+    if not new:
+        return None
+    return Breach(
+        "fail-on-new-findings", observed=len(new), allowed=0,
+        message=(f"{len(new)} leak or waste finding(s) the old run did not have: "
+                 f"{', '.join(_named(f) for f in new)}; the limit is 0"),
+        fix="apply each new finding's fix (the diff's text lists them) before merging")
 
 
 def check(change: ReportDiff, limits: Limits) -> LimitCheck:
     """``change`` held to ``limits``: the limits crossed, with the figure seen, the limit and
     the fix, and those that could not be checked (a figure one run lacks)."""
-    breaches, unchecked = _peak_checks(change, limits)
-    growth = change.growth
-    if limits.max_growth_increase is not None:
-        allowed = limits.max_growth_increase
-        delta = growth.delta
-        if delta is None:
-            lacking = "old" if growth.old is None else "new"
-            unchecked.append(f"growth increase: the {lacking} report has fewer than "
-                             f"{WARMUP + 2} complete iterations, too few for a growth rate")
-        elif delta > allowed:
-            breaches.append(Breach(
-                "max-growth-increase", observed=delta, allowed=allowed,
-                message=(f"memory growth rose by {format_rate(delta, signed=True)}, from "
-                         f"{format_rate(growth.old, signed=True)} to "
-                         f"{format_rate(growth.new, signed=True)}: over the limit of "
-                         f"{format_rate(allowed, signed=True)}"),
-                fix=("the new run keeps memory from every iteration: a leak; its findings "
-                     "(`memsentry show NEW.json`) name the holder and the line")))
-    if limits.fail_on_new_findings:
-        new = [f for f in change.appeared if f.severity in FAILING_SEVERITIES]
-        if new:
-            names = ", ".join(f"{f.rule}" + (f" ({f.where})" if f.where else "") for f in new)
-            breaches.append(Breach(
-                "fail-on-new-findings", observed=len(new), allowed=0,
-                message=(f"{len(new)} leak or waste finding(s) the old run did not have: "
-                         f"{names}; the limit is 0"),
-                fix="apply each new finding's fix (the diff's text lists them) before merging"))
-    return LimitCheck(limits=limits, breaches=tuple(breaches), unchecked=tuple(unchecked))
+    outcomes = [held(change, limits) for held in (_peak_missing, _peak_share, _peak_bytes,
+                                                  _growth_increase, _new_findings)]
+    return LimitCheck(limits=limits,
+                      breaches=tuple(o for o in outcomes if isinstance(o, Breach)),
+                      unchecked=tuple(o for o in outcomes if isinstance(o, str)))
 
 
 def breaches(change: ReportDiff, limits: Limits) -> tuple[Breach, ...]:

@@ -94,21 +94,34 @@ def peak_line(report: ReportData, batch: int | None = None) -> Line | None:
     ``batch`` is used, and the other points' distance from it is the ``spread``."""
     found = points(report)
     if len(found) >= 2:
-        low, high = _segment(found, batch)
-        slope = (high.peak - low.peak) / (high.batch - low.batch)
-        if slope > 0:
-            fixed = low.peak - slope * low.batch
-            others = [p for p in found if p not in (low, high)]
-            spread = max((abs(fixed + slope * p.batch - p.peak) / p.peak for p in others),
-                         default=None)
-            return Line(fixed, slope, ForecastMethod.BATCHES, found, spread)
+        line = _fitted(found, batch)
+        if line is not None:
+            return line
         found = (found[-1],)  # flat: from the activations at the largest batch
     if not found:
         return None
-    point = found[-1]
-    best = max((it for it in _measured(report) if it.parts is not None
-                and it.batch == point.batch), key=lambda it: it.peak, default=None)
-    held = best.parts.activations if best is not None and best.parts is not None else 0
+    return _from_activations(report, found[-1])
+
+
+def _fitted(found: tuple[ForecastPoint, ...], batch: int | None) -> Line | None:
+    """The line through the two measured batch sizes that serve ``batch``, with the other
+    points' largest distance from it (a share of their peak); ``None`` when the peak does
+    not rise with the batch."""
+    low, high = _segment(found, batch)
+    slope = (high.peak - low.peak) / (high.batch - low.batch)
+    if slope <= 0:
+        return None
+    fixed = low.peak - slope * low.batch
+    others = [p for p in found if p not in (low, high)]
+    spread = max((abs(fixed + slope * p.batch - p.peak) / p.peak for p in others),
+                 default=None)
+    return Line(fixed, slope, ForecastMethod.BATCHES, found, spread)
+
+
+def _from_activations(report: ReportData, point: ForecastPoint) -> Line | None:
+    """From one batch size: what one forward saves for backward grows with the batch, and
+    the rest of the peak is fixed; ``None`` when nothing was saved."""
+    held = _held_activations(report, point)
     # What one forward saves for backward: at the peak when it held the activations, else
     # the outermost layers' largest call (a peak in the optimizer step holds none).
     saved = held or sum(layer.saved_bytes or 0 for layer in report.layers if layer.depth == 0)
@@ -116,6 +129,14 @@ def peak_line(report: ReportData, batch: int | None = None) -> Line | None:
         return None
     return Line(point.peak - held, saved / point.batch, ForecastMethod.ACTIVATIONS, (point,),
                 None)
+
+
+def _held_activations(report: ReportData, point: ForecastPoint) -> int:
+    """The activations held at the highest peak measured at ``point``'s batch size (0 when
+    no such iteration has a breakdown)."""
+    best = max((it for it in _measured(report) if it.parts is not None
+                and it.batch == point.batch), key=lambda it: it.peak, default=None)
+    return best.parts.activations if best is not None and best.parts is not None else 0
 
 
 def _line_or_error(report: ReportData, batch: int | None = None) -> Line:

@@ -17,6 +17,15 @@ from memsentry.model import (
     StepKind,
     Subject,
 )
+from memsentry.rules.holder_notes import (
+    accumulation_fix,
+    buffer_kept,
+    default_note,
+    history_note,
+    models_note,
+    tensor_kept,
+    what_it_keeps,
+)
 from memsentry.rules.registry import rule
 from memsentry.rules.series import (
     MIN_CENSUSES,
@@ -43,8 +52,6 @@ ACCUMULATION = "tensor-accumulation"
 #: Bytes a step that a container emptied every epoch must gain, when it holds no autograd
 #: graph, before its teeth alone make a leak (a flushed buffer of scalars does not).
 TOOTH_BYTES = 64 * 1024
-#: Names under which IPython keeps cell results in a notebook's namespace.
-_IPYTHON_HISTORY = frozenset({"Out", "_oh", "_", "__", "___"})
 
 
 def _noun(holder: HolderStats) -> str:
@@ -130,15 +137,21 @@ def _keyed(censuses: list[Census], table: dict[tuple[Step, ...], Row],
     """The string keys of one dict, together: a key added at every step
     (``results[f"step{i}"] = out``) or several keys that each grow (a logger's history) make
     one finding, naming the keys that gained; a key whose one tensor grows, its own."""
-    merged = [_merge(parent, [table[p][i] for p in paths]) for i in range(len(censuses))]
+    merged = _merged_row(len(censuses), table, parent, paths)
     if not _accumulates(censuses, merged):
         return [finding for p in paths for finding in _growing(censuses, table[p], allocated)]
     gained = [p for p in paths if _gained(table[p])] or paths
     if len(gained) == 1:
         return [_accumulation(censuses, table[gained[0]], "")]
     row = merged if len(gained) == len(paths) else \
-        [_merge(parent, [table[p][i] for p in gained]) for i in range(len(censuses))]
+        _merged_row(len(censuses), table, parent, gained)
     return [_accumulation(censuses, row, _key_list(gained))]
+
+
+def _merged_row(censuses: int, table: dict[tuple[Step, ...], Row], parent: tuple[Step, ...],
+                paths: list[tuple[Step, ...]]) -> Row:
+    """The keys ``paths`` of the dict at ``parent`` as one holder, at each of ``censuses``."""
+    return [_merge(parent, [table[p][i] for p in paths]) for i in range(censuses)]
 
 
 def _gained(row: Row) -> bool:
@@ -180,7 +193,7 @@ def _growing_tensor(row: list[HolderStats | None], size: Trend) -> Finding:
     rate = (size.values[end] - size.values[first]) / (size.iterations[end]
                                                         - size.iterations[first])
     base = base_name(last)
-    kept, fix = _buffer_kept(last, base) if _only_buffers(last) else _tensor_kept(last, base)
+    kept, fix = buffer_kept(last, base) if _only_buffers(last) else tensor_kept(last, base)
     message = (
         f"{describe_holder(last)} grows by {format_bytes(round(rate))}/iter: "
         f"{format_bytes(last.bytes)} at iteration {size.iterations[end]}, up from "
@@ -198,133 +211,6 @@ def _only_buffers(last: HolderStats) -> bool:
     """Whether what grows is Python buffers (a bytearray, a memoryview, a DLPack capsule),
     no tensor among them."""
     return last.tensors == 0 and last.buffers > 0
-
-
-def _tensor_kept(last: HolderStats, base: str) -> tuple[str, str]:
-    """What a holder growing with as many tensors keeps, and its fix."""
-    tensors = f"{last.tensors:,} tensor{'s' if last.tensors != 1 else ''}"
-    kept = (f"{tensors}: a tensor made larger every iteration (concatenated onto itself, or "
-            "padded) keeps everything each step added")
-    fix = (
-        f"bound `{base}`: preallocate it and write in place (a ring buffer, "
-        f"`{base}[i % k] = x`), or keep only the last rows (`{base} = torch.cat([{base}, "
-        f"x])[-k:]`); move what must stay to the CPU (`.cpu()`) or to disk"
-    )
-    return kept, fix
-
-
-def _buffer_kept(last: HolderStats, base: str) -> tuple[str, str]:
-    """What a holder growing with Python buffers and no tensor keeps, and its fix."""
-    buffers = f"{last.buffers:,} Python buffer{'s' if last.buffers != 1 else ''}"
-    kept = (f"no tensor but {buffers} (a bytearray, a memoryview or a DLPack capsule): a "
-            "buffer extended every iteration keeps every byte each step added")
-    fix = (f"bound `{base}`: drop what was used (`del {base}[:n]`, or `{base}.clear()` once "
-           "written out), or write into a buffer of fixed size; move what must stay to disk")
-    return kept, fix
-
-
-def _what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
-    """The accumulation message's notes on what the holder is and keeps: a function's cache,
-    NumPy arrays, autograd nodes, tensors that carry graphs."""
-    message = ""
-    if last.container == "lru_cache":
-        message += (
-            f"; it is the cache of `{base_name(last)}()` (`functools.lru_cache`/`cache`"
-            f"{', unbounded' if last.bound is None else ''}), which keeps the arguments and "
-            f"result of every call with new arguments: {last.items or 0:,} entries"
-        )
-    if last.arrays:
-        message += (f"; {last.arrays:,} are NumPy arrays, counted with the memory they own or "
-                    "the tensor they view (`.numpy()` shares the tensor's storage)")
-    if last.buffers:
-        message += (f"; {last.buffers:,} are buffers (`bytearray`, `memoryview`, DLPack "
-                    "capsules not yet consumed), counted with the memory they hold")
-    if last.nodes:
-        message += (f"; {last.nodes:,} are autograd nodes kept by themselves (a `grad_fn`, a "
-                    f"custom Function's `ctx`), and with them their graph "
-                    f"({last.graph_nodes:,} nodes")
-        message += (f", {format_bytes(last.graph_saved_bytes)} saved for backward)"
-                    if last.graph_saved_bytes else
-                    "; backward() freed what they saved, the nodes stay in host memory)")
-    if last.graph_tensors:
-        message += (f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
-                    "their batch's graph")
-        if not graphs_complete and not last.graph_nodes:
-            message += (" alive (too large to count within the census's time budget: its "
-                        "nodes and saved tensors are not in the figures)")
-        else:
-            least = "" if graphs_complete else "at least "
-            message += f" ({least}{last.graph_nodes:,} nodes"
-            if last.graph_saved_bytes:
-                message += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
-            message += ") alive"
-    return message
-
-
-#: The fix for a holder of what ``_noun`` names, when nothing more particular applies.
-_FIXES = {
-    "model": (
-        "keep results, not models: store the score and, for the best model only, a CPU copy "
-        "of state_dict(); `del` the model and optimizer after each trial"
-    ),
-    "NumPy array": (
-        "keep in `{base}` what you need of each array (a summary such as `float(a.mean())`, "
-        "or a `.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole "
-        "storage), write them to disk (`np.save`), and clear `{base}` each epoch or bound it "
-        "with `collections.deque(maxlen=k)`"
-    ),
-    "buffer": (
-        "keep in `{base}` only what you still need: a DLPack capsule keeps its tensor's "
-        "memory until it is consumed (`torch.from_dlpack`) or dropped, a `memoryview` keeps "
-        "the object it views; copy out the bytes you use (`bytes(view)`) and clear `{base}` "
-        "each epoch or bound it with `collections.deque(maxlen=k)`"
-    ),
-    "autograd node": (
-        "keep in `{base}` the values you need, not `grad_fn` or `ctx` objects: each keeps its "
-        "graph and what it saved for backward until it is dropped; clear `{base}` once used"
-    ),
-}
-
-
-def _accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
-    if last.container == "lru_cache":
-        return (
-            f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "
-            f"`{base_name(last)}.cache_clear()` each epoch, and do not key it by what "
-            "changes every step (the step, the batch); cache `.detach()`ed or CPU tensors"
-        )
-    if last.root in _IPYTHON_HISTORY:
-        return (
-            "end such cells with `;` (or assign the result), drop kept results with "
-            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
-        )
-    if default:
-        return (
-            "default the argument to `None` and make the container inside the function "
-            "(`def f(..., kept=None)`, then `if kept is None: kept = []`), or pass it "
-            "explicitly; store `.detach()`ed tensors or `.item()` numbers in it"
-        )
-    if last.modules:
-        return _FIXES["model"]
-    if what in _FIXES:
-        return _FIXES[what].format(base=base_name(last))
-    if last.graph_tensors and last.tensors and last.bytes <= 8 * last.tensors:
-        return (  # scalars (losses, metrics): a detached one would still pile up a tensor
-            "store Python numbers: `.item()` (a `.detach()`ed scalar still adds a tensor "
-            "every step); clear the container each epoch or bound it with "
-            "`collections.deque(maxlen=k)`"
-        )
-    if last.graph_tensors:
-        return (
-            "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
-            "under `torch.no_grad()`; clear the container each epoch or bound it with "
-            "`collections.deque(maxlen=k)`"
-        )
-    return (
-        "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), aggregate "
-        "as you go, and clear the container each epoch or bound it with "
-        "`collections.deque(maxlen=k)`"
-    )
 
 
 def _material_tooth(censuses: list[Census], row: list[HolderStats | None],
@@ -346,40 +232,50 @@ def _material_tooth(censuses: list[Census], row: list[HolderStats | None],
 
 
 def _accumulation(censuses: list[Census], row: list[HolderStats | None], keys: str) -> Finding:
+    """The LEAK of a holder that gains what it keeps at every census (``keys``: the keys of
+    a dict judged together, named in the message)."""
     count = trend(censuses, row, held_count)
     last = latest(row)
     assert last is not None
-    first_seen = next(h for h in row if h is not None)
     size = trend(censuses, row, lambda h: h.bytes + h.graph_saved_bytes)
     what = _noun(last)
-    message = (
-        f"{describe_holder(last)} gains {per_iteration(growth_rate(count), what)}"
-        f"{' across its keys ' + keys if keys else ''}: "
-        f"{int(held_count(last)):,}{f' ({format_bytes(last.bytes)})' if last.bytes else ''}"
-        " at iteration "
-        f"{count.iterations[-1]}, up from {int(held_count(first_seen)):,} at iteration "
-        f"{count.iterations[0]}{sawtooth_note(count)}"
-    )
-    if last.modules:
-        message += f"; {last.modules} of them are whole nn.Module objects"
-    seen_at = last_seen(row)
-    message += _what_it_keeps(last, seen_at is None or censuses[seen_at].graphs_complete)
-    default = next((step.name for step in last.path if step.name.startswith("__defaults__[")
-                    or step.name.startswith("__kwdefaults__[")), None)
-    if default is not None:
-        message += (
-            "; it is a mutable default argument, made once when the `def` ran and shared by "
-            "every call, so it keeps what each call adds"
-        )
-    if last.root in _IPYTHON_HISTORY:
-        message += (
-            "; this is IPython's output history, which keeps the result of every cell that "
-            "ends with an expression (`del` and `torch.cuda.empty_cache()` do not free it)"
-        )
-    fix = _accumulation_fix(last, what, default=default is not None)
+    default = _default_argument(last)
+    message = _gains(row, count, what, keys)
+    message += models_note(last)
+    message += what_it_keeps(last, _graphs_complete(censuses, row))
+    message += default_note(default) + history_note(last)
+    fix = accumulation_fix(last, what, default=default is not None)
     return Finding(
         rule=ACCUMULATION, severity=Severity.LEAK, message=message, fix=fix,
         bytes=last.bytes + last.graph_saved_bytes, objects=int(held_count(last)),
         rate=max(growth_rate(size), 0.0), subject=Subject.holder(last.path),
         location=last.where, iteration=count.iterations[-1],
     )
+
+
+def _gains(row: Row, count: Trend, what: str, keys: str) -> str:
+    """The accumulation message's opening: the holder, what it gains an iteration, and how
+    much it held first and last."""
+    last = latest(row)
+    assert last is not None
+    first_seen = next(h for h in row if h is not None)
+    across = f" across its keys {keys}" if keys else ""
+    held = f" ({format_bytes(last.bytes)})" if last.bytes else ""
+    return (
+        f"{describe_holder(last)} gains {per_iteration(growth_rate(count), what)}{across}: "
+        f"{int(held_count(last)):,}{held} at iteration "
+        f"{count.iterations[-1]}, up from {int(held_count(first_seen)):,} at iteration "
+        f"{count.iterations[0]}{sawtooth_note(count)}"
+    )
+
+
+def _graphs_complete(censuses: list[Census], row: Row) -> bool:
+    """Whether the latest census that saw the holder walked its autograd graphs whole."""
+    seen_at = last_seen(row)
+    return seen_at is None or censuses[seen_at].graphs_complete
+
+
+def _default_argument(last: HolderStats) -> str | None:
+    """The step by which a function's default argument leads to the holder, if one does."""
+    return next((step.name for step in last.path
+                 if step.name.startswith(("__defaults__[", "__kwdefaults__["))), None)

@@ -19,8 +19,9 @@ def hook_accumulation(report: ReportData) -> list[Finding]:
         count = trend(censuses, row, lambda h: h.count)
         if not count.climbs():
             continue
-        last = row[-1]
-        assert last is not None
+        # The newest census that saw the module's hooks: one that removed every handle at
+        # an epoch's end lists nothing for it (the tooth before is what is judged).
+        last = next(state for state in reversed(row) if state is not None)
         owner = "hooks registered globally" if module is None else f"`{module}`"
         newest = f"`{last.hook}`" if last.hook else "a hook"
         if last.registered:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from memsentry.model import Finding, HolderKind, HolderStats, ReportData, Severity, Subject
+from memsentry.model import (
+    Census,
+    Finding,
+    HolderKind,
+    HolderStats,
+    ReportData,
+    Severity,
+    Step,
+    Subject,
+)
 from memsentry.rules.registry import rule
 from memsentry.rules.series import (
     after_warmup,
@@ -41,38 +50,69 @@ def loop_variables(report: ReportData) -> list[Finding]:
     censuses = complete_censuses(report)
     if len(censuses) < 2:
         return []
-    before, last = _plain_locals(censuses[-2].holders), _plain_locals(censuses[-1].holders)
-    # A local whose tensors another holder keeps too (`outputs.append(out)`) frees nothing
-    # when deleted: it is left out, and so are locals whose storage another local counted.
-    # A local that grows at every census (`bank = torch.cat([bank, x])`) is a leak, which
-    # tensor-accumulation reports; rebinding it earlier would not help.
-    _, table = holder_series(report)
-    kept = [last[name] for name in last
-            if name in before and last[name].bytes > last[name].shared_bytes
-            and not grows_steadily(trend(censuses, table[last[name].path],
-                                         lambda h: h.bytes))]
+    kept = _kept_locals(report, censuses)
     size = sum(h.bytes - h.shared_bytes for h in kept)
-    its = [it for it in after_warmup(report) if it.sampled]  # peaks read inside iterations
-    rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]
-    rise = statistics.median(rises) if rises else 0
+    rise = _peak_rise(report)
     if size < MIN_BYTES or size < MIN_SHARE * rise:
         return []
     kept.sort(key=lambda h: h.bytes, reverse=True)
+    return [_finding(kept, size, rise)]
+
+
+def _kept_locals(report: ReportData, censuses: list[Census]) -> list[HolderStats]:
+    """The plain locals the last two of ``censuses`` (the complete ones) both saw, whose
+    deletion would free memory."""
+    before, last = _plain_locals(censuses[-2].holders), _plain_locals(censuses[-1].holders)
+    _, table = holder_series(report)
+    return [holder for name, holder in last.items()
+            if name in before and _frees_memory(censuses, table, holder)]
+
+
+def _frees_memory(censuses: list[Census],
+                  table: dict[tuple[Step, ...], list[HolderStats | None]],
+                  holder: HolderStats) -> bool:
+    """Whether deleting the local ``holder`` (``table``: each holder at each census) would
+    free memory.
+
+    A local whose tensors another holder keeps too (`outputs.append(out)`) frees nothing
+    when deleted, nor do locals whose storage another local counted. A local that grows at
+    every census (`bank = torch.cat([bank, x])`) is a leak, which tensor-accumulation
+    reports; rebinding it earlier would not help."""
+    return holder.bytes > holder.shared_bytes and not grows_steadily(
+        trend(censuses, table[holder.path], lambda h: h.bytes))
+
+
+def _peak_rise(report: ReportData) -> float:
+    """How far the peak rises above the memory left at the boundary before it: the median
+    over the iterations after warm-up whose peak was read inside them (0 with none)."""
+    its = [it for it in after_warmup(report) if it.sampled]
+    rises = [b.peak - a.allocated for a, b in itertools.pairwise(its)]
+    return statistics.median(rises) if rises else 0
+
+
+def _finding(kept: list[HolderStats], size: int, rise: float) -> Finding:
+    """The HINT about the locals ``kept`` (largest first), which keep ``size`` bytes."""
     names = ", ".join(f"`{h.name}` ({format_bytes(h.bytes)})" for h in kept[:4])
     scope = function_of(kept[0])
     message = (
         f"{names} (locals of {scope or 'the loop'}) keep {format_bytes(size)} of the finished "
         "iteration alive until the next one rebinds them, after it has made its own"
     )
-    if 0 < size <= rise:
-        message += (
-            f": the peak rises {format_bytes(round(rise))} above each boundary, and "
-            f"{size / rise:.0%} of that could be freed first"
-        )
+    message += _rise_note(size, rise)
     fix = (
         f"end the step with `del {', '.join(h.name for h in kept[:4])}` (or move the step "
         "into a function, whose locals die when it returns)"
     )
-    return [Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
-                    bytes=size, objects=sum(h.tensors for h in kept),
-                    subject=Subject.holder(kept[0].path), location=kept[0].where)]
+    return Finding(rule=RULE_ID, severity=Severity.HINT, message=message, fix=fix,
+                   bytes=size, objects=sum(h.tensors for h in kept),
+                   subject=Subject.holder(kept[0].path), location=kept[0].where)
+
+
+def _rise_note(size: int, rise: float) -> str:
+    """The share of the peak's rise that deleting the locals first would free."""
+    if not 0 < size <= rise:
+        return ""
+    return (
+        f": the peak rises {format_bytes(round(rise))} above each boundary, and "
+        f"{size / rise:.0%} of that could be freed first"
+    )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind, UnusedGraph
+from memsentry.model import (
+    Cost,
+    Finding,
+    ReportData,
+    Severity,
+    Subject,
+    SubjectKind,
+    UnusedGraph,
+)
 from memsentry.rules.registry import rule
 from memsentry.units import format_bytes
 
@@ -62,48 +70,66 @@ def missing_no_grad(report: ReportData) -> list[Finding]:
     of the iteration: evaluation or inference without ``torch.no_grad()``. Everything its ops
     saved for backward was kept for nothing, raising the peak (``eval()`` does not turn
     autograd off)."""
-    findings = []
-    cost = report.cost
-    partial = cost is not None and cost.sampled < cost.iterations
-    for unused, cells in _by_site(report.unused_graphs):
-        if unused.saved_bytes == 0:
-            continue  # nothing saved, nothing wasted
-        caller = _caller(unused, cells)
-        mode = (
-            f"{unused.eval_calls:,} of them in eval() mode" if unused.eval_calls
-            else "in train() mode"
+    return [_finding(unused, cells, report.cost) for unused, cells
+            in _by_site(report.unused_graphs)
+            if unused.saved_bytes != 0]  # nothing saved, nothing wasted
+
+
+def _partial(cost: Cost | None) -> bool:
+    """Whether memsentry followed every module call in only some of the iterations."""
+    return cost is not None and cost.sampled < cost.iterations
+
+
+def _finding(unused: UnusedGraph, cells: list[str], cost: Cost | None) -> Finding:
+    """The WASTE of one call site's (or notebook cells') forward passes whose graph no
+    backward used."""
+    least = "at least " if _partial(cost) or unused.unwatched else ""
+    passes = "es" if unused.calls != 1 else ""
+    graphs = "s" if unused.calls != 1 else ""
+    message = (
+        f"`{unused.module}` ran {least}{unused.calls:,} forward "
+        f"pass{passes} with autograd on{_caller(unused, cells)} ({_mode(unused)}) whose "
+        f"graph{graphs} no backward used"
+    )
+    message += _budget_note(unused, cost) + _saved_note(unused)
+    fix = (
+        "run evaluation and inference under `with torch.no_grad():` (or "
+        "`torch.inference_mode()`); `model.eval()` only switches dropout and batch norm, "
+        "it leaves autograd on"
+    )
+    return Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
+                   bytes=unused.saved_bytes, objects=unused.calls, location=unused.where,
+                   subject=Subject(SubjectKind.MODULE, unused.module))
+
+
+def _mode(unused: UnusedGraph) -> str:
+    if unused.eval_calls:
+        return f"{unused.eval_calls:,} of them in eval() mode"
+    return "in train() mode"
+
+
+def _budget_note(unused: UnusedGraph, cost: Cost | None) -> str:
+    """Why memsentry may have seen only some of the calls: it watched some of this site's
+    calls, or followed every call in only some iterations (nothing said when neither)."""
+    if unused.unwatched:
+        return (
+            f" (memsentry watched only some of its calls, to keep to its budget: "
+            f"{unused.unwatched:,} more were not judged)"
         )
-        least = "at least " if partial or unused.unwatched else ""
-        message = (
-            f"`{unused.module}` ran {least}{unused.calls:,} forward "
-            f"pass{'es' if unused.calls != 1 else ''} with autograd on{caller} ({mode}) whose "
-            f"graph{'s' if unused.calls != 1 else ''} no backward used"
-        )
-        if partial and not unused.unwatched:
-            assert cost is not None
-            message += (
-                f" (memsentry followed every module call in {cost.sampled:,} of "
-                f"{cost.iterations:,} iterations, to keep to its budget, and not all calls in "
-                "the others)"
-            )
-        if unused.unwatched:
-            message += (
-                f" (memsentry watched only some of its calls, to keep to its budget: "
-                f"{unused.unwatched:,} more were not judged)"
-            )
-        if unused.saved_bytes is not None:
-            message += (
-                f"; each kept up to {format_bytes(unused.saved_bytes)} saved for backward "
-                "for nothing, on top of the peak"
-            )
-        fix = (
-            "run evaluation and inference under `with torch.no_grad():` (or "
-            "`torch.inference_mode()`); `model.eval()` only switches dropout and batch norm, "
-            "it leaves autograd on"
-        )
-        findings.append(
-            Finding(rule=RULE_ID, severity=Severity.WASTE, message=message, fix=fix,
-                    bytes=unused.saved_bytes, objects=unused.calls, location=unused.where,
-                    subject=Subject(SubjectKind.MODULE, unused.module))
-        )
-    return findings
+    if cost is None or not _partial(cost):
+        return ""
+    return (
+        f" (memsentry followed every module call in {cost.sampled:,} of "
+        f"{cost.iterations:,} iterations, to keep to its budget, and not all calls in "
+        "the others)"
+    )
+
+
+def _saved_note(unused: UnusedGraph) -> str:
+    """What each call kept saved for backward, when measured."""
+    if unused.saved_bytes is None:
+        return ""
+    return (
+        f"; each kept up to {format_bytes(unused.saved_bytes)} saved for backward "
+        "for nothing, on top of the peak"
+    )

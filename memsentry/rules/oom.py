@@ -39,12 +39,21 @@ def largest_layers(layers: tuple[LayerStats, ...]) -> tuple[LayerBytes, ...]:
     inner = [layer for layer in layers if layer.depth > 0 and layer.saved_bytes]
     if not inner:
         return ()
+    blocks = sorted(_blocks(inner), key=_most_saved)
+    return tuple(LayerBytes(layer.name, layer.saved_bytes or 0) for layer in blocks[:LARGEST])
+
+
+def _blocks(inner: list[LayerStats]) -> list[LayerStats]:
+    """The shallowest of the ``inner`` layers when there are several (a model's blocks);
+    all of them when there is one (a container: look inside it)."""
     shallowest = min(layer.depth for layer in inner)
     blocks = [layer for layer in inner if layer.depth == shallowest]
-    if len(blocks) < 2:  # one container: look inside it
-        blocks = inner
-    blocks.sort(key=lambda layer: (-(layer.saved_bytes or 0), layer.depth))
-    return tuple(LayerBytes(layer.name, layer.saved_bytes or 0) for layer in blocks[:LARGEST])
+    return inner if len(blocks) < 2 else blocks
+
+
+def _most_saved(layer: LayerStats) -> tuple[int, int]:
+    """Most saved for backward first, the outer layer first among equals."""
+    return -(layer.saved_bytes or 0), layer.depth
 
 
 def _activations(report: ReportData, oom: OutOfMemory) -> tuple[int, int | None]:

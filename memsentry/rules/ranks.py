@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from memsentry.model import ReportData, Severity
+from memsentry.model import Finding, ReportData, Severity
 
 _ORDER = {Severity.LEAK: 0, Severity.WASTE: 1, Severity.HINT: 2}
 
@@ -18,19 +18,34 @@ def combine(reports: Sequence[ReportData | None], timeout: float) -> ReportData:
     own = reports[0]
     assert own is not None
     arrived = tuple(r for r in reports if r is not None)
+    missing = [rank for rank, report in enumerate(reports) if report is None]
+    return replace(own, findings=_ranked_findings(reports), ranks=arrived,
+                   notes=(*own.notes, *_missing_notes(missing, timeout)))
+
+
+def _ranked_findings(reports: Sequence[ReportData | None]) -> tuple[Finding, ...]:
+    """Every rank's findings, each marked with its rank, in the order of :func:`_order`."""
     findings = [replace(f, rank=rank) for rank, report in enumerate(reports)
                 if report is not None for f in report.findings]
-    findings.sort(key=lambda f: (_ORDER[f.severity], -(f.bytes or 0), f.rank or 0))
-    missing = [rank for rank, report in enumerate(reports) if report is None]
-    notes = list(own.notes)
-    if missing:
-        names = ", ".join(map(str, missing))
-        notes.append(
-            f"rank{'s' if len(missing) > 1 else ''} {names} did not hand in a report within "
-            f"{timeout:g} s of rank 0's end of tracking (it does not track this block, failed, "
-            "left the block, or is still running): its figures and findings are missing here; "
-            "each rank's own report is still what its tracker.report() returns")
-    return replace(own, findings=tuple(findings), ranks=arrived, notes=tuple(notes))
+    return tuple(sorted(findings, key=_order))
+
+
+def _order(finding: Finding) -> tuple[int, int, int]:
+    """Most severe first, then largest, then lowest rank."""
+    return _ORDER[finding.severity], -(finding.bytes or 0), finding.rank or 0
+
+
+def _missing_notes(missing: list[int], timeout: float) -> tuple[str, ...]:
+    """The note naming the ranks whose report did not arrive (none when all did)."""
+    if not missing:
+        return ()
+    names = ", ".join(map(str, missing))
+    return (
+        f"rank{'s' if len(missing) > 1 else ''} {names} did not hand in a report within "
+        f"{timeout:g} s of rank 0's end of tracking (it does not track this block, failed, "
+        "left the block, or is still running): its figures and findings are missing here; "
+        "each rank's own report is still what its tracker.report() returns",
+    )
 
 
 def peak_spread(reports: Sequence[ReportData]) -> tuple[int, int] | None:

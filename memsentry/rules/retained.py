@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
 from memsentry.model import (
+    Census,
     Finding,
     HolderKind,
     HolderStats,
@@ -45,61 +47,119 @@ def retained_graph(report: ReportData) -> list[Finding]:
     ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
     nodes pile up."""
     censuses, table = holder_series(report, graphs=True)
-    findings = []
-    for row in table.values():
-        last = latest(row)
-        if last is None or not (last.graph_tensors or last.nodes):
-            continue
-        nodes = trend(censuses, row, lambda h: h.graph_nodes)
-        count = trend(censuses, row, held_count)
-        growing = nodes.climbs() and not count.climbs()
-        saved = trend(censuses, row, lambda h: h.graph_saved_bytes)
-        kept = len(nodes.values) >= 2 and all(h is not None and (h.graph_tensors or h.nodes)
-                                              for h in row[-2:])
-        if last.kind == HolderKind.GRADIENT and (growing or kept):
-            findings.append(_gradient_finding(last, nodes, saved, growing))
-            continue
-        if not growing:
-            if kept and not count.climbs() and _is_attribute(last) \
-                    and last.bytes + last.graph_saved_bytes >= PINNED_MIN_BYTES:
-                findings.append(_pinned_graph(last, nodes.iterations[-1]))
-            continue
-        most = max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
-        message = (
-            f"{describe_holder(last)} keeps the autograd graph of every iteration: "
-            f"{int(nodes.values[most]):,} graph nodes at iteration {nodes.iterations[most]}, "
-            f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
+    graphs = [_graph_of(censuses, row) for row in table.values()]
+    judged = [_judge(graph) for graph in graphs if graph is not None]
+    return [finding for finding in judged if finding is not None]
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """What the censuses show of the autograd graph one holder keeps.
+
+    ``nodes`` and ``saved`` are its graph's nodes and saved bytes census by census;
+    ``growing``: the nodes climb while what it holds does not (one tensor whose graph grows);
+    ``held_climbs``: what it holds climbs (tensor-accumulation's case); ``kept``: its tensors
+    carried a graph at each of the last two censuses."""
+
+    last: HolderStats
+    nodes: Trend
+    saved: Trend
+    growing: bool
+    held_climbs: bool
+    kept: bool
+
+
+def _carries_graph(holder: HolderStats | None) -> bool:
+    """Whether a census saw the holder keep a graph: tensors with a ``grad_fn``, or nodes."""
+    return holder is not None and bool(holder.graph_tensors or holder.nodes)
+
+
+def _graph_of(censuses: list[Census], row: list[HolderStats | None]) -> _Graph | None:
+    """The holder's graph across ``censuses``; ``None`` when its latest entry keeps none."""
+    last = latest(row)
+    if last is None or not _carries_graph(last):
+        return None
+    nodes = trend(censuses, row, lambda h: h.graph_nodes)
+    held_climbs = trend(censuses, row, held_count).climbs()
+    return _Graph(
+        last=last, nodes=nodes, saved=trend(censuses, row, lambda h: h.graph_saved_bytes),
+        growing=nodes.climbs() and not held_climbs, held_climbs=held_climbs,
+        kept=len(nodes.values) >= 2 and all(_carries_graph(h) for h in row[-2:]),
+    )
+
+
+def _judge(graph: _Graph) -> Finding | None:
+    """The finding a holder's graph makes: a gradient's graph, a graph that grows (LEAK), one
+    graph pinned by an attribute (WASTE), or none."""
+    last = graph.last
+    if last.kind == HolderKind.GRADIENT and (graph.growing or graph.kept):
+        return _gradient_finding(last, graph.nodes, graph.saved, graph.growing)
+    if graph.growing:
+        return _growing_graph(graph)
+    if _pins_one_graph(graph):
+        return _pinned_graph(last, graph.nodes.iterations[-1])
+    return None
+
+
+def _pins_one_graph(graph: _Graph) -> bool:
+    """An attribute that kept a graph at the last two censuses, holding no more than before,
+    and whose graph costs ``PINNED_MIN_BYTES`` or more."""
+    last = graph.last
+    return (graph.kept and not graph.held_climbs and _is_attribute(last)
+            and last.bytes + last.graph_saved_bytes >= PINNED_MIN_BYTES)
+
+
+def _highest(nodes: Trend) -> int:
+    """The position of the census that saw the most nodes (the latest among equals)."""
+    return max(range(len(nodes.values)), key=lambda i: (nodes.values[i], i))
+
+
+def _positive(rate: float) -> float | None:
+    return rate if rate > 0 else None
+
+
+def _growing_graph(graph: _Graph) -> Finding:
+    """The LEAK of a holder whose graph gains nodes at every iteration."""
+    last, nodes, saved = graph.last, graph.nodes, graph.saved
+    most = _highest(nodes)
+    message = (
+        f"{describe_holder(last)} keeps the autograd graph of every iteration: "
+        f"{int(nodes.values[most]):,} graph nodes at iteration {nodes.iterations[most]}, "
+        f"+{growth_rate(nodes):.3g} nodes/iter since iteration {nodes.iterations[0]}"
+    )
+    message += _saved_note(last, saved) + sawtooth_note(nodes)
+    return Finding(
+        rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=_growing_fix(last),
+        bytes=last.bytes + last.graph_saved_bytes, objects=int(nodes.values[most]),
+        rate=_positive(growth_rate(saved)), subject=Subject.holder(last.path),
+        location=last.feed.where if last.feed is not None else last.where,
+        iteration=nodes.iterations[most],  # the census the message quotes
+    )
+
+
+def _saved_note(last: HolderStats, saved: Trend) -> str:
+    """What the growing graph keeps saved for backward, or that backward freed it."""
+    if last.graph_saved_bytes:
+        return (
+            f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
+            f"(+{format_bytes(round(max(growth_rate(saved), 0)))}/iter)"
         )
-        if last.graph_saved_bytes:
-            message += (
-                f", holding {format_bytes(last.graph_saved_bytes)} saved for backward "
-                f"(+{format_bytes(round(max(growth_rate(saved), 0)))}/iter)"
-            )
-        else:
-            message += (
-                "; backward() freed their saved tensors, but the nodes themselves pile up "
-                "in host memory and every backward through them gets slower"
-            )
-        message += sawtooth_note(nodes)
-        if last.tensors and last.bytes <= 8 * last.tensors:  # scalars: a summed metric
-            fix = _number_fix(last)
-        else:  # a state carried into the next iteration
-            fix = (
-                f"cut the graph at each iteration: `{base_name(last)} = "
-                f"{base_name(last)}.detach()` before it is used again (truncated BPTT), "
-                "and drop retain_graph=True once nothing reaches back"
-            )
-        findings.append(
-            Finding(
-                rule=RETAINED_GRAPH, severity=Severity.LEAK, message=message, fix=fix,
-                bytes=last.bytes + last.graph_saved_bytes, objects=int(nodes.values[most]),
-                rate=growth_rate(saved) if growth_rate(saved) > 0 else None,
-                subject=Subject.holder(last.path),
-                location=last.feed.where if last.feed is not None else last.where,
-                iteration=nodes.iterations[most],  # the census the message quotes
-            )
-        )
-    return findings
+    return (
+        "; backward() freed their saved tensors, but the nodes themselves pile up "
+        "in host memory and every backward through them gets slower"
+    )
+
+
+def _growing_fix(last: HolderStats) -> str:
+    """Accumulate numbers where the holder keeps scalars (a summed metric); else cut the
+    graph of a state carried into the next iteration."""
+    if last.tensors and last.bytes <= 8 * last.tensors:
+        return _number_fix(last)
+    return (
+        f"cut the graph at each iteration: `{base_name(last)} = "
+        f"{base_name(last)}.detach()` before it is used again (truncated BPTT), "
+        "and drop retain_graph=True once nothing reaches back"
+    )
 
 
 def _item(expression: str) -> str:

@@ -236,6 +236,23 @@ def function_of(holder: HolderStats) -> str | None:
 def describe_holder(holder: HolderStats) -> str:
     """```name``` with what it is (``a local of train()``, ``held through `logger`, a local of
     train()``, ``a class attribute``) and the line that fills it."""
+    return f"`{holder.name}` ({_what_holder(holder)}{_filled_at(holder)})"
+
+
+#: Holder kinds reached through another object when their path is longer than the root.
+_REACHED = (HolderKind.LOCAL, HolderKind.GLOBAL, HolderKind.MODEL)
+
+
+def _what_holder(holder: HolderStats) -> str:
+    """What the holder is, and the root it is held through when that is not itself."""
+    kind = _holder_kind(holder)
+    if len(holder.path) > 1 and holder.kind in _REACHED:
+        return f"held through `{holder.root}`, {kind}"
+    return kind
+
+
+def _holder_kind(holder: HolderStats) -> str:
+    """``a local of train()``, ``a class attribute, shared by every instance``, ..."""
     function = function_of(holder)
     kinds = {
         HolderKind.LOCAL: f"a local of {function}" if function else "a local variable",
@@ -247,17 +264,18 @@ def describe_holder(holder: HolderStats) -> str:
         HolderKind.GRADIENT: f"{holder.items} parameter .grad tensors" if holder.items
         else "a parameter's .grad",
     }
-    kind = kinds.get(holder.kind, str(holder.kind))
-    if len(holder.path) > 1 and holder.kind in (HolderKind.LOCAL, HolderKind.GLOBAL,
-                                                HolderKind.MODEL):
-        kind = f"held through `{holder.root}`, {kind}"
-    text = f"`{holder.name}` ({kind}"
-    if holder.feed is not None and holder.where:  # filled inside a method of its class
+    return kinds.get(holder.kind, str(holder.kind))
+
+
+def _filled_at(holder: HolderStats) -> str:
+    """The line that fills the holder: ``, train.py:12``; for one filled inside a method of
+    its class, where it is set and the line that called the method."""
+    if holder.feed is not None and holder.where:
         function = f" in `{holder.where.function}()`" if holder.where.function else ""
-        text += f"; set at {holder.where}{function}, called from {holder.feed.where}"
-    elif holder.where:
-        text += f", {holder.where}"
-    return text + ")"
+        return f"; set at {holder.where}{function}, called from {holder.feed.where}"
+    if holder.where:
+        return f", {holder.where}"
+    return ""
 
 
 def plural(count: float, noun: str) -> str:
@@ -291,16 +309,26 @@ def steady_climb(points: Sequence[tuple[int, int]]) -> tuple[float, float] | Non
     steps rise, the figure keeps what it gained, and the latest steps still rise."""
     if len(points) < 4:
         return None
-    values = [value for _, value in points]
-    steps = [b - a for a, b in itertools.pairwise(values)]
+    steps = [b - a for (_, a), (_, b) in itertools.pairwise(points)]
     rising = sum(step > 0 for step in steps) / len(steps)
     rate = slope(points)
     if rate is None or rising < MIN_RISING_SHARE or rate < MIN_RATE:
         return None
-    gained = sum(step for step in steps if step > 0)
-    if values[-1] - values[0] < MIN_RETAINED_SHARE * gained:
+    if _gave_back(points, steps):
         return None  # memory given back: a sawtooth or a bounded cache, not a climb
-    recent = slope(points[-max(3, round(len(points) * RECENT_SHARE)):])
-    if recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * rate):
+    if _stopped(points, rate):
         return None  # it grew, then stopped: a window or cache that filled up
     return rate, rising
+
+
+def _gave_back(points: Sequence[tuple[int, int]], steps: Sequence[int]) -> bool:
+    """Whether the figure ends holding less than ``MIN_RETAINED_SHARE`` of all its rises."""
+    gained = sum(step for step in steps if step > 0)
+    return points[-1][1] - points[0][1] < MIN_RETAINED_SHARE * gained
+
+
+def _stopped(points: Sequence[tuple[int, int]], rate: float) -> bool:
+    """Whether the latest points (``RECENT_SHARE`` of them, three at least) no longer grow at
+    ``MIN_RECENT_RATE_SHARE`` of ``rate`` (nor at ``MIN_RATE``)."""
+    recent = slope(points[-max(3, round(len(points) * RECENT_SHARE)):])
+    return recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * rate)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 
 from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
-from memsentry.model.processes import WorkerMemory
+from memsentry.model.processes import DatasetObjects, DatasetStore, WorkerMemory
 from memsentry.rules.registry import rule
 from memsentry.units import format_bytes
 
@@ -80,19 +80,27 @@ def _judge(workers: list[WorkerMemory]) -> bool | None:
         return None
     objects = next((w.objects for w in workers if w.objects is not None), None)
     if objects is not None:
-        times = PAST_OBJECTS if workers[0].stores else PAST_OBJECTS_UNSTORED
-        past = max(growths) > max(times * objects.bytes, objects.bytes + PAST_BYTES)
-        if not past or workers[0].stores:
-            return past
-        # Past the objects with no cache to blame: a leak only when it grows step by step. A
-        # worker's own full collection writes to every object it inherited and copies the
-        # pages of the whole heap at once (183 MiB a worker beside 49 MiB of path tuples, on a
-        # loaded machine): that is still what reading the inherited objects cost.
-        return all(_still_growing(w) for w in workers)
+        return _past_objects(workers, max(growths), objects)
     # Nothing a worker could copy on reading: a leak when it grows step by step, and no
     # verdict otherwise (pages the main process wrote after the fork are its own cost).
-    shapes = [_still_growing(w) for w in workers]
-    return True if all(shapes) else None
+    return True if all(_still_growing(w) for w in workers) else None
+
+
+def _past_objects(workers: list[WorkerMemory], most: int, objects: DatasetObjects) -> bool:
+    """Whether the workers, the most grown of which gained ``most`` bytes, grew past what
+    copying the dataset's Python objects explains: ``PAST_OBJECTS`` times them when
+    ``__getitem__`` adds to an attribute of the dataset (a cache to blame), else
+    ``PAST_OBJECTS_UNSTORED`` times them and still growing step by step."""
+    stored = bool(workers[0].stores)
+    times = PAST_OBJECTS if stored else PAST_OBJECTS_UNSTORED
+    past = most > max(times * objects.bytes, objects.bytes + PAST_BYTES)
+    if not past or stored:
+        return past
+    # Past the objects with no cache to blame: a leak only when it grows step by step. A
+    # worker's own full collection writes to every object it inherited and copies the
+    # pages of the whole heap at once (183 MiB a worker beside 49 MiB of path tuples, on a
+    # loaded machine): that is still what reading the inherited objects cost.
+    return all(_still_growing(w) for w in workers)
 
 
 def _total(workers: list[WorkerMemory]) -> int:
@@ -168,42 +176,60 @@ def _copy_on_read(workers: list[WorkerMemory], copied: list[list[WorkerMemory]],
 
 
 def _leak(workers: list[WorkerMemory], leaked: int, starts: int) -> Finding:
+    """The LEAK of a start of workers that keep what they make (``leaked`` of the loader's
+    ``starts`` starts did the same)."""
     growths = [_growth(w) or 0 for w in workers]
-    objects = workers[0].objects
     seconds = max(w.samples[-1].seconds - w.samples[0].seconds for w in workers)
+    stores = workers[0].stores
     message = (
         f"{_who(workers)} each grew by up to {format_bytes(max(growths))} of "
         f"private memory in {seconds:.0f} s ({format_bytes(sum(growths))} in all), "
     )
-    if objects is not None:
-        message += (f"more than a copy of the dataset's Python objects explains "
-                    f"(`{objects.name}`: about {format_bytes(objects.bytes)} a worker at most)")
-    else:
-        message += ("still growing through the later half of the run, and the dataset keeps "
-                    "no container of Python objects that reading could copy")
-    message += ": the workers keep what they make"
-    stores = workers[0].stores
-    if stores:
-        named = ", ".join(f"`{s.name}` ({s.location})" for s in stores[:3])
-        message += (f"; `{stores[0].location.function}` adds to {named}, which each worker "
-                    "fills in its own copy of the dataset")
-    if starts > 1:
-        message += (f"; the loader started new workers for each of {starts} passes over its "
-                    f"data, and those of {leaked} grew so")
-    if stores:
-        fix = (f"drop what `{stores[0].name}` keeps, or bound it (functools.lru_cache("
-               "maxsize=...) on a loading function, a dict emptied past a size); to cache every "
-               "sample, fill the cache in the main process before the workers start, as "
-               "arrays, so that they share it")
-    else:
-        fix = (
-            "look in the dataset's `__getitem__` and the collate function for what they keep "
-            "across calls (a cache dict filled per index, tensors appended to an attribute); "
-            "each worker has its own copy of the dataset object, so such a cache grows in "
-            "every worker and is never seen by the main process"
-        )
-    return Finding(rule=RULE_ID, severity=Severity.LEAK, message=message, fix=fix,
-                   bytes=sum(growths), objects=len(workers),
+    message += _beyond(workers[0].objects) + ": the workers keep what they make"
+    message += _stores_note(stores) + _passes_note(leaked, starts)
+    return Finding(rule=RULE_ID, severity=Severity.LEAK, message=message,
+                   fix=_leak_fix(stores), bytes=sum(growths), objects=len(workers),
                    subject=Subject(SubjectKind.HOLDER, stores[0].name if stores
                                    else workers[0].dataset),
                    location=stores[0].location if stores else None)
+
+
+def _beyond(objects: DatasetObjects | None) -> str:
+    """Why the growth is more than copy-on-read."""
+    if objects is not None:
+        return (f"more than a copy of the dataset's Python objects explains "
+                f"(`{objects.name}`: about {format_bytes(objects.bytes)} a worker at most)")
+    return ("still growing through the later half of the run, and the dataset keeps "
+            "no container of Python objects that reading could copy")
+
+
+def _stores_note(stores: tuple[DatasetStore, ...]) -> str:
+    """The attributes of the dataset that ``__getitem__`` adds to, when it adds to some."""
+    if not stores:
+        return ""
+    named = ", ".join(f"`{s.name}` ({s.location})" for s in stores[:3])
+    return (f"; `{stores[0].location.function}` adds to {named}, which each worker "
+            "fills in its own copy of the dataset")
+
+
+def _passes_note(leaked: int, starts: int) -> str:
+    """How many of the loader's starts of workers grew so, when it started them more than
+    once."""
+    if starts <= 1:
+        return ""
+    return (f"; the loader started new workers for each of {starts} passes over its "
+            f"data, and those of {leaked} grew so")
+
+
+def _leak_fix(stores: tuple[DatasetStore, ...]) -> str:
+    if stores:
+        return (f"drop what `{stores[0].name}` keeps, or bound it (functools.lru_cache("
+                "maxsize=...) on a loading function, a dict emptied past a size); to cache "
+                "every sample, fill the cache in the main process before the workers start, "
+                "as arrays, so that they share it")
+    return (
+        "look in the dataset's `__getitem__` and the collate function for what they keep "
+        "across calls (a cache dict filled per index, tensors appended to an attribute); "
+        "each worker has its own copy of the dataset object, so such a cache grows in "
+        "every worker and is never seen by the main process"
+    )

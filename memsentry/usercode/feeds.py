@@ -114,21 +114,31 @@ def _other_values(value: ast.AST, name: str) -> list[ast.expr] | None:
 
 
 def _value_of(node: ast.AST, name: str) -> ast.AST | None:
+    """The expression ``node`` adds to ``name`` (``x`` in ``name += x``, ``name = name + x``,
+    ``name.append(x)``), or ``None``."""
     if isinstance(node, ast.AugAssign) and spells(node.target, name):
         return node.value
-    if isinstance(node, ast.Assign) and any(spells(t, name) for t in node.targets) \
-            and isinstance(node.value, ast.BinOp):
-        left, right = node.value.left, node.value.right
-        if spells(left, name):
-            return right
-        if spells(right, name):
-            return left
-    if isinstance(node, ast.Expr):
-        node = node.value
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-            and node.func.attr in _ADDING and spells(node.func.value, name) and node.args:
-        return node.args[-1]
-    return None
+    if isinstance(node, ast.Assign):
+        return _folded_value(node, name)
+    return _added_by_call(node.value if isinstance(node, ast.Expr) else node, name)
+
+
+def _folded_value(node: ast.Assign, name: str) -> ast.AST | None:
+    """``x`` in ``name = name + x`` or ``name = x + name`` (any binary operator)."""
+    if not isinstance(node.value, ast.BinOp) or not any(spells(t, name) for t in node.targets):
+        return None
+    left, right = node.value.left, node.value.right
+    if spells(left, name):
+        return right
+    return left if spells(right, name) else None
+
+
+def _added_by_call(node: ast.AST, name: str) -> ast.AST | None:
+    """The last argument of a call that adds it to ``name`` (``name.append(x)``)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    adds = node.func.attr in _ADDING and spells(node.func.value, name)
+    return node.args[-1] if adds and node.args else None
 
 
 def feeding_call(method_file: str | None, line: int | None, caller_file: str | None,

@@ -136,18 +136,32 @@ def spelled_name(obj: Any, frame: types.FrameType | None, *, frames: int | None 
     found = user_frames(frame)
     try:
         for user_frame in found[:frames]:
-            names = frame_locals(user_frame)
-            for scope in (names, user_frame.f_globals):
-                for name, value in list(scope.items()):
-                    if value is obj and name.isidentifier() and name != "self":
-                        return name
-            for name, value in list(getattr(names.get("self"), "__dict__", {}).items()):
-                if value is obj and name.isidentifier():
-                    return name
+            name = _name_in(user_frame, obj)
+            if name is not None:
+                return name
     finally:
         for user_frame in found:
             release_locals(user_frame)
         del found
+    return None
+
+
+def _name_in(frame: types.FrameType, obj: Any) -> str | None:
+    """The local or global of ``frame`` bound to ``obj``, else the attribute of its ``self``
+    that is; ``None`` when none is."""
+    names = frame_locals(frame)
+    for scope in (names, frame.f_globals):
+        for name, value in list(scope.items()):
+            if value is obj and name.isidentifier() and name != "self":
+                return name
+    return _attribute_name(names.get("self"), obj)
+
+
+def _attribute_name(instance: Any, obj: Any) -> str | None:
+    """The attribute of ``instance`` bound to ``obj`` (``critic`` for ``self.critic``)."""
+    for name, value in list(getattr(instance, "__dict__", {}).items()):
+        if value is obj and name.isidentifier():
+            return name
     return None
 
 

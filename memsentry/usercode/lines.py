@@ -14,6 +14,7 @@ import functools
 import linecache
 import os
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeGuard
 
 #: Calls that grow a container in place.
 GROWING_METHODS = frozenset(
@@ -99,19 +100,29 @@ def _score(node: ast.AST, name: str) -> float:
     if isinstance(node, ast.AugAssign) and spells(node.target, name):
         return 3
     if isinstance(node, ast.Assign | ast.AnnAssign):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        for target in targets:
-            if isinstance(target, ast.Subscript) and spells(target, name):
-                return 3
-            if spells(target, name):
-                value = node.value
-                if value is not None and name in _names(value):
-                    return 3
-                return 0.5 if isinstance(value, _RESETS) and not _filled(value) else 1
+        return _assignment_score(node, name)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in GROWING_METHODS and spells(node.func.value, name):
-            return 3
+        return 3 if node.func.attr in GROWING_METHODS and spells(node.func.value, name) else 0
     return 0
+
+
+def _assignment_score(node: ast.Assign | ast.AnnAssign, name: str) -> float:
+    """:func:`_score` of an assignment: by its first target that spells ``name``."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for target in targets:
+        if isinstance(target, ast.Subscript) and spells(target, name):
+            return 3
+        if spells(target, name):
+            return _binding_score(node.value, name)
+    return 0
+
+
+def _binding_score(value: ast.AST | None, name: str) -> float:
+    """:func:`_score` of ``name = value``: 3 when ``value`` uses ``name`` (``x = x + y``),
+    0.5 for a reset (a constant, an empty literal), else 1."""
+    if value is not None and name in _names(value):
+        return 3
+    return 0.5 if isinstance(value, _RESETS) and not _filled(value) else 1
 
 
 def _filled(literal: ast.AST) -> bool:
@@ -131,23 +142,33 @@ def growth_line(path: str | None, name: str, *, function_line: int | None = None
 @functools.lru_cache(maxsize=1024)
 def _growth_line(path: str, mtime: float | None, name: str, function_line: int | None
                  ) -> int | None:
-    candidates: Iterable[tuple[ast.AST, str | None]]
-    if function_line is None:
-        candidates = nodes(path, mtime)
-    else:
-        tree = parse(path, mtime)
-        candidates = () if tree is None else walk_functions(enclosing(tree, function_line), None)
     best, line = 0.0, None
-    for node, function in candidates:
-        score: float = _score(node, name)
+    for node, function in _candidates(path, mtime, function_line):
+        score = _score(node, name)
         lineno = getattr(node, "lineno", None)
         if lineno is None or not score:
             continue
         if function == "__init__":
             score -= 0.5  # set up once in a constructor; the line that refills it is elsewhere
-        if score > best or (score == best and line is not None and lineno < line):
+        if _better(score, lineno, best, line):
             best, line = score, lineno
     return line
+
+
+def _candidates(path: str, mtime: float | None, function_line: int | None
+                ) -> Iterable[tuple[ast.AST, str | None]]:
+    """The nodes of the file, or of the function starting at ``function_line``, each with the
+    function it is in."""
+    if function_line is None:
+        return nodes(path, mtime)
+    tree = parse(path, mtime)
+    return () if tree is None else walk_functions(enclosing(tree, function_line), None)
+
+
+def _better(score: float, lineno: int, best: float, line: int | None) -> bool:
+    """Whether a node scoring ``score`` at ``lineno`` beats the best so far (``best`` at
+    ``line``): a higher score, or the same one earlier in the file."""
+    return score > best or (score == best and line is not None and lineno < line)
 
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -205,11 +226,18 @@ def register_line(path: str | None, hook: str) -> int | None:
     tree = _tree(path) if path else None
     if tree is None:
         return None
-    lines = [node.lineno for node in ast.walk(tree)
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-             and node.func.attr.startswith("register_") and node.func.attr.endswith("hook")
-             and any(hook in _names(arg) for arg in node.args)]
+    lines = [node.lineno for node in ast.walk(tree) if _registers(node, hook)]
     return min(lines) if lines else None
+
+
+def _registers(node: ast.AST, hook: str) -> TypeGuard[ast.Call]:
+    """Whether ``node`` calls a ``register_*hook`` method with an argument that names
+    ``hook``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    method = node.func.attr
+    return method.startswith("register_") and method.endswith("hook") \
+        and any(hook in _names(arg) for arg in node.args)
 
 
 #: Names code without a file of its own by the name it was compiled under (``In[5]`` for a

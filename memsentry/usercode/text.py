@@ -71,19 +71,29 @@ def _text_fields(cls: type) -> tuple[str, ...]:
 
 
 def _may_hold_text(kind: Any, seen: set[Any]) -> bool:
-    if kind in (int, float, bool, type(None)) or (
-            isinstance(kind, type) and issubclass(kind, enum.Enum)):
+    if _holds_no_text(kind):
         return False
     args = typing.get_args(kind)
     if args:
         return any(_may_hold_text(arg, seen) for arg in args if arg is not Ellipsis)
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        if kind in seen:  # a value nested in its own kind (a report's ranks)
-            return False
-        seen.add(kind)
-        return any(_may_hold_text(hint, seen)
-                   for hint in typing.get_type_hints(kind).values())
+        return _fields_may_hold_text(kind, seen)
     return True  # str, Any, and anything not known to hold none
+
+
+def _holds_no_text(kind: Any) -> bool:
+    """Numbers, booleans, ``None`` and enums (whose values are memsentry's)."""
+    return kind in (int, float, bool, type(None)) or (
+        isinstance(kind, type) and issubclass(kind, enum.Enum))
+
+
+def _fields_may_hold_text(kind: type, seen: set[Any]) -> bool:
+    """Whether a field of the dataclass ``kind`` may hold a string (``seen``: the dataclasses
+    already asked about, above it)."""
+    if kind in seen:  # a value nested in its own kind (a report's ranks)
+        return False
+    seen.add(kind)
+    return any(_may_hold_text(hint, seen) for hint in typing.get_type_hints(kind).values())
 
 
 def _printable(value: Any) -> Any:
@@ -93,23 +103,40 @@ def _printable(value: Any) -> Any:
     if kind in (int, float, bool) or value is None:
         return value
     if kind is tuple or kind is list:
-        items = [_printable(item) for item in value]
-        changed = any(new is not old for new, old in zip(items, value, strict=True))
-        return kind(items) if changed else value
+        return _printable_items(value)
     if kind is dict:
-        pairs = [(_printable(key), _printable(item)) for key, item in value.items()]
-        changed = any(new_key is not key or new is not item
-                      for (new_key, new), (key, item) in zip(pairs, value.items(), strict=True))
-        return dict(pairs) if changed else value
+        return _printable_dict(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {}
-        for name in _text_fields(type(value)):
-            old = getattr(value, name)
-            new = _printable(old)
-            if new is not old:
-                changes[name] = new
-        return dataclasses.replace(value, **changes) if changes else value
+        return _printable_fields(value)
     return value  # enums (their values are memsentry's), and anything else as it is
+
+
+def _printable_items(value: list[Any] | tuple[Any, ...]) -> Any:
+    """A tuple or list with its items made printable: the same object when none changed."""
+    items = [_printable(item) for item in value]
+    changed = any(new is not old for new, old in zip(items, value, strict=True))
+    return type(value)(items) if changed else value
+
+
+def _printable_dict(value: dict[Any, Any]) -> dict[Any, Any]:
+    """A dict with its keys and values made printable: the same object when none changed."""
+    pairs = [(_printable(key), _printable(item)) for key, item in value.items()]
+    changed = any(new_key is not key or new is not item
+                  for (new_key, new), (key, item) in zip(pairs, value.items(), strict=True))
+    return dict(pairs) if changed else value
+
+
+def _printable_fields(value: Any) -> Any:
+    """A dataclass with its text fields made printable (rebuilt with
+    :func:`dataclasses.replace`): the same object when none changed."""
+    changes = {}
+    kind: type = type(value)
+    for name in _text_fields(kind):
+        old = getattr(value, name)
+        new = _printable(old)
+        if new is not old:
+            changes[name] = new
+    return dataclasses.replace(value, **changes) if changes else value
 
 
 __all__ = ["UNSAFE", "encodable", "printable", "printable_values"]

@@ -1,0 +1,193 @@
+"""What a holder that tensor-accumulation reports keeps, in words, and the fix for it: the
+notes its message adds (a function's cache, NumPy arrays, buffers, autograd nodes and graphs,
+a mutable default argument, IPython's output history) and the advice that fits the holder."""
+
+from __future__ import annotations
+
+from memsentry.model import HolderStats
+from memsentry.rules.series import base_name
+from memsentry.units import format_bytes
+
+#: Names under which IPython keeps cell results in a notebook's namespace.
+IPYTHON_HISTORY = frozenset({"Out", "_oh", "_", "__", "___"})
+
+
+def tensor_kept(last: HolderStats, base: str) -> tuple[str, str]:
+    """What a holder growing with as many tensors keeps, and its fix."""
+    tensors = f"{last.tensors:,} tensor{'s' if last.tensors != 1 else ''}"
+    kept = (f"{tensors}: a tensor made larger every iteration (concatenated onto itself, or "
+            "padded) keeps everything each step added")
+    fix = (
+        f"bound `{base}`: preallocate it and write in place (a ring buffer, "
+        f"`{base}[i % k] = x`), or keep only the last rows (`{base} = torch.cat([{base}, "
+        f"x])[-k:]`); move what must stay to the CPU (`.cpu()`) or to disk"
+    )
+    return kept, fix
+
+
+def buffer_kept(last: HolderStats, base: str) -> tuple[str, str]:
+    """What a holder growing with Python buffers and no tensor keeps, and its fix."""
+    buffers = f"{last.buffers:,} Python buffer{'s' if last.buffers != 1 else ''}"
+    kept = (f"no tensor but {buffers} (a bytearray, a memoryview or a DLPack capsule): a "
+            "buffer extended every iteration keeps every byte each step added")
+    fix = (f"bound `{base}`: drop what was used (`del {base}[:n]`, or `{base}.clear()` once "
+           "written out), or write into a buffer of fixed size; move what must stay to disk")
+    return kept, fix
+
+
+def what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
+    """The accumulation message's notes on what the holder is and keeps: a function's cache,
+    NumPy arrays, autograd nodes, tensors that carry graphs."""
+    return (_cache_note(last) + _arrays_note(last) + _buffers_note(last) + _nodes_note(last)
+            + _graphs_note(last, graphs_complete))
+
+
+def _cache_note(last: HolderStats) -> str:
+    if last.container != "lru_cache":
+        return ""
+    return (
+        f"; it is the cache of `{base_name(last)}()` (`functools.lru_cache`/`cache`"
+        f"{', unbounded' if last.bound is None else ''}), which keeps the arguments and "
+        f"result of every call with new arguments: {last.items or 0:,} entries"
+    )
+
+
+def _arrays_note(last: HolderStats) -> str:
+    if not last.arrays:
+        return ""
+    return (f"; {last.arrays:,} are NumPy arrays, counted with the memory they own or "
+            "the tensor they view (`.numpy()` shares the tensor's storage)")
+
+
+def _buffers_note(last: HolderStats) -> str:
+    if not last.buffers:
+        return ""
+    return (f"; {last.buffers:,} are buffers (`bytearray`, `memoryview`, DLPack "
+            "capsules not yet consumed), counted with the memory they hold")
+
+
+def _nodes_note(last: HolderStats) -> str:
+    """Autograd nodes kept by themselves, and their graph."""
+    if not last.nodes:
+        return ""
+    note = (f"; {last.nodes:,} are autograd nodes kept by themselves (a `grad_fn`, a "
+            f"custom Function's `ctx`), and with them their graph "
+            f"({last.graph_nodes:,} nodes")
+    if last.graph_saved_bytes:
+        return note + f", {format_bytes(last.graph_saved_bytes)} saved for backward)"
+    return note + "; backward() freed what they saved, the nodes stay in host memory)"
+
+
+def _graphs_note(last: HolderStats, graphs_complete: bool) -> str:
+    """Tensors that carry an autograd graph, and the graph's size where it was counted."""
+    if not last.graph_tensors:
+        return ""
+    note = (f"; {last.graph_tensors:,} carry an autograd graph (grad_fn), which keeps "
+            "their batch's graph")
+    if not graphs_complete and not last.graph_nodes:
+        return note + (" alive (too large to count within the census's time budget: its "
+                       "nodes and saved tensors are not in the figures)")
+    least = "" if graphs_complete else "at least "
+    note += f" ({least}{last.graph_nodes:,} nodes"
+    if last.graph_saved_bytes:
+        note += f", {format_bytes(last.graph_saved_bytes)} saved for backward"
+    return note + ") alive"
+
+
+#: The fix for a holder of what it mostly keeps (``holders._noun``), when nothing more
+#: particular applies.
+_FIXES = {
+    "model": (
+        "keep results, not models: store the score and, for the best model only, a CPU copy "
+        "of state_dict(); `del` the model and optimizer after each trial"
+    ),
+    "NumPy array": (
+        "keep in `{base}` what you need of each array (a summary such as `float(a.mean())`, "
+        "or a `.copy()` of the rows you use: a `.numpy()` view keeps its tensor's whole "
+        "storage), write them to disk (`np.save`), and clear `{base}` each epoch or bound it "
+        "with `collections.deque(maxlen=k)`"
+    ),
+    "buffer": (
+        "keep in `{base}` only what you still need: a DLPack capsule keeps its tensor's "
+        "memory until it is consumed (`torch.from_dlpack`) or dropped, a `memoryview` keeps "
+        "the object it views; copy out the bytes you use (`bytes(view)`) and clear `{base}` "
+        "each epoch or bound it with `collections.deque(maxlen=k)`"
+    ),
+    "autograd node": (
+        "keep in `{base}` the values you need, not `grad_fn` or `ctx` objects: each keeps its "
+        "graph and what it saved for backward until it is dropped; clear `{base}` once used"
+    ),
+}
+
+
+def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
+    """The fix for a holder that accumulates ``what`` (its ``_noun``); ``default``: it is a
+    function's mutable default argument."""
+    if last.container == "lru_cache":
+        return (
+            f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "
+            f"`{base_name(last)}.cache_clear()` each epoch, and do not key it by what "
+            "changes every step (the step, the batch); cache `.detach()`ed or CPU tensors"
+        )
+    if last.root in IPYTHON_HISTORY:
+        return (
+            "end such cells with `;` (or assign the result), drop kept results with "
+            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
+        )
+    if default:
+        return (
+            "default the argument to `None` and make the container inside the function "
+            "(`def f(..., kept=None)`, then `if kept is None: kept = []`), or pass it "
+            "explicitly; store `.detach()`ed tensors or `.item()` numbers in it"
+        )
+    if last.modules:
+        return _FIXES["model"]
+    if what in _FIXES:
+        return _FIXES[what].format(base=base_name(last))
+    if last.graph_tensors and last.tensors and last.bytes <= 8 * last.tensors:
+        return (  # scalars (losses, metrics): a detached one would still pile up a tensor
+            "store Python numbers: `.item()` (a `.detach()`ed scalar still adds a tensor "
+            "every step); clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
+    if last.graph_tensors:
+        return (
+            "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
+            "under `torch.no_grad()`; clear the container each epoch or bound it with "
+            "`collections.deque(maxlen=k)`"
+        )
+    return (
+        "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), aggregate "
+        "as you go, and clear the container each epoch or bound it with "
+        "`collections.deque(maxlen=k)`"
+    )
+
+
+def models_note(last: HolderStats) -> str:
+    return f"; {last.modules} of them are whole nn.Module objects" if last.modules else ""
+
+
+def default_note(default: str | None) -> str:
+    if default is None:
+        return ""
+    return ("; it is a mutable default argument, made once when the `def` ran and shared by "
+            "every call, so it keeps what each call adds")
+
+
+def history_note(last: HolderStats) -> str:
+    if last.root not in IPYTHON_HISTORY:
+        return ""
+    return ("; this is IPython's output history, which keeps the result of every cell that "
+            "ends with an expression (`del` and `torch.cuda.empty_cache()` do not free it)")
+
+
+__all__ = [
+    "IPYTHON_HISTORY",
+    "accumulation_fix",
+    "buffer_kept",
+    "default_note",
+    "history_note",
+    "models_note",
+    "tensor_kept",
+    "what_it_keeps",
+]
