@@ -240,7 +240,8 @@ class Boundaries:
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
             self._budget.end_iteration(seconds, iterations, began=now)
-        plan = plan_next(self._budget.account(), self._coverage.current, self._signal(),
+        signal = self._signal()
+        plan = plan_next(self._budget.account(), self._coverage.current, signal,
                          index=index + 1, census_pending=self._censuses.pending is not None,
                          forward_running=bool(self._forward.stack),
                          tuning=self._budget.tuning)
@@ -250,7 +251,6 @@ class Boundaries:
         self._forward.hooks.follow(bare=plan.hooks is HookState.BARE, lean=lean)
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).
-        signal = self._signal()
         self._roots.thin = signal.step or signal.forward
         self._clock.advance(now)
 
