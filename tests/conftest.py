@@ -5,12 +5,16 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.nn.modules.module as module_globals
 import torch.optim.optimizer as optimizer_globals
 from torch import nn
+
+if TYPE_CHECKING:
+    from memsentry.model import ReportData
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -36,23 +40,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _every_call_measured(request: pytest.FixtureRequest,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """For now (issue 40, item 2 is not done): outside the tests marked ``default_policy``,
-    trackers run with :data:`seams.MEASURE_ALL` as their tuning and a judging credit out of
-    reach, so every iteration is sampled and measured in full and every census taken when
-    due, whatever the machine's load. The tests marked ``default_policy`` (the budget's, the
-    window's, the policy's) run the default tuning on a fake clock (tests/seams.py). 71 other
-    tests fail under the default policy on a loaded machine; each is to pass ``overhead=None``
-    (it checks figures) or a fake clock (it checks a verdict), and then this goes."""
-    if request.node.get_closest_marker("default_policy") is None:
-        from seams import MEASURE_ALL
-
-        from memsentry.record import budget, policy
-
-        monkeypatch.setattr(policy, "DEFAULT", MEASURE_ALL)
-        monkeypatch.setattr(budget.UNTRACKED, "begin", lambda: 1e9)
+def iterations_run(report: ReportData) -> int:
+    """The iterations a loop ended, from its report's timeline: the index of the block's end
+    when it has a row (its partial iteration is no iteration), else the last index plus one.
+    Under a budget the rows have gaps (boundaries passed with a count only), so their number
+    is not the count."""
+    rows = report.iterations
+    if not rows:
+        return 0
+    last = rows[-1]
+    return int(last.index) if last.boundary == "exit" else int(last.index) + 1
 
 
 def optimizer_post_hooks() -> list[int]:

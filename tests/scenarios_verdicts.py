@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+from typing import Any
 
 import torch
 from scenarios import (
@@ -135,15 +136,16 @@ class Discriminator(nn.Module):
         return self.net(x)
 
 
-def gan_training(steps: int) -> memsentry.Report:
+def gan_training(steps: int, **options: Any) -> memsentry.Report:
     """A GAN step as tutorials write it: the discriminator's optimizer steps first, then the
-    generator's loss is backpropagated through the fake batch made before that step."""
+    generator's loss is backpropagated through the fake batch made before that step
+    (``options`` go to ``track()``)."""
     torch.manual_seed(0)
     gen, disc = Generator(), Discriminator()
     opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4)
     opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4)
     bce = nn.BCEWithLogitsLoss()
-    with memsentry.track(on_leak="ignore") as t:
+    with memsentry.track(on_leak="ignore", **options) as t:
         for _ in range(steps):
             real = torch.randn(64, 32)
             fake = gen(torch.randn(64, 16))

@@ -166,7 +166,6 @@ def _sampled_parts(report: memsentry.Report) -> dict[int, Breakdown]:
     """The breakdown of each sampled iteration, by its index."""
     return {it.index: it.parts for it in report.iterations if it.parts is not None}
 
-@pytest.mark.default_policy  # on a fake clock
 def test_iterations_that_measure_layers_in_turn_carry_the_last_reading() -> None:
     # 400 modules of tiny ops, on a clock where each of memsentry's readings takes 10 us and
     # a step 0.5 s: measuring every call costs far more than 5% of the loop, so from the
@@ -195,7 +194,6 @@ def test_iterations_that_measure_layers_in_turn_carry_the_last_reading() -> None
             assert part.parameters == parts[part.read_in].parameters
         assert part.total == peaks[index]
 
-@pytest.mark.default_policy
 @pytest.mark.parametrize("made_inside", [False, True], ids=["model-before", "model-inside"])
 def test_carried_readings_in_exact_mode_count_what_the_counter_missed_once(
         made_inside: bool) -> None:

@@ -4,11 +4,13 @@ the results stay bit for bit what they were, and the report says what was thinne
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import iterations_run
 from fake_clock import FakeClock
 from seams import tracked
 from test_coverage import make_model, train
@@ -19,8 +21,6 @@ import memsentry
 from memsentry.record import budget as budget_module
 from memsentry.record.budget import Budget, Untracked
 from memsentry.record.policy import DEFAULT
-
-pytestmark = pytest.mark.default_policy  # the default tuning, on fake clocks
 
 
 def test_a_loop_over_its_budget_runs_light_with_bitwise_results() -> None:
@@ -48,6 +48,44 @@ def test_a_loop_over_its_budget_runs_light_with_bitwise_results() -> None:
     (note,) = [n for n in report.notes if "kept to its budget" in n]
     assert "in 3 of" in note and "track(overhead=None)" in note
     assert not [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["model", "by-hand"])
+@pytest.mark.parametrize("steps", range(20, 41, 4))
+def test_the_timeline_accounts_for_every_iteration_the_last_ones_passed_included(
+        steps: int, by_hand: bool) -> None:
+    """Light iterations pass boundaries with a count only; when the block ends among them,
+    the row of its end carries their index, so the rows still say how many iterations ran."""
+    clock = FakeClock(tick=1e-5)
+    history: list[torch.Tensor] = []  # one tensor kept a step (by hand only)
+    if by_hand:  # no module, no optimizer: backward passes end the iterations
+        with tracked(overhead=0.01, on_leak="ignore", credit=0.0, clock=clock) as t:
+            weights = torch.randn(16, 4, requires_grad=True)
+            for _ in range(steps):
+                clock.advance(1e-3)
+                loss = (torch.randn(8, 16) @ weights).pow(2).mean()
+                loss.backward()
+                with torch.no_grad():
+                    weights.sub_(0.1 * weights.grad)
+                weights.grad = None
+                history.append(loss.detach())
+    else:
+        model = make_model()
+        with tracked(model, overhead=0.01, on_leak="ignore", credit=0.0, clock=clock) as t:
+            train(model, steps, clock=clock)
+    report = t.report()
+    assert report.cost is not None and report.cost.iterations == steps
+    assert iterations_run(report) == steps
+    indices = [it.index for it in report.iterations]
+    passed = sum(b - a - 1 for a, b in itertools.pairwise(indices))
+    assert passed > 0  # the budget made some boundaries pass with a count
+    title = f"Iterations ({len(indices)} recorded, {passed} passed with a count only"
+    assert title in str(report)
+    # Each census ran while the loop ran, within an iteration of the one it is filed under:
+    # none waited past passed boundaries (at worst to the block's end).
+    for census in report.censuses if by_hand else ():
+        (kept,) = [h for h in census.holders if h.name == "history"]
+        assert census.iteration + 1 <= kept.items <= census.iteration + 2, census.iteration
 
 
 def test_global_hooks_come_off_in_light_iterations() -> None:

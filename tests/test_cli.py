@@ -119,7 +119,9 @@ def test_run_json_writes_a_readable_report(
     report = Report.from_json(out_json)
     assert [layer.name for layer in report.layers] == ["Sequential", "0", "1", "2"]
     assert [layer.type for layer in report.layers] == ["Sequential", "Linear", "ReLU", "Linear"]
-    assert [it.boundary for it in report.iterations] == ["optimizer"] * 3
+    # (a row for the block's end comes last when the run ended in an iteration with no hook)
+    assert [it.boundary for it in report.iterations if it.boundary != "exit"] == \
+        ["optimizer"] * 3
     assert report.layer("0").calls == 3
 
 
@@ -325,11 +327,18 @@ def _run_sample(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     return Report.from_json(out_json)
 
 
-def _growth(report: Report) -> int:
-    """allocated at the last complete iteration minus at the second (the first carries set-up)."""
+def _growth(report: Report) -> float:
+    """allocated per iteration, from the second iteration (the first carries set-up) to the
+    last complete one in the timeline. ``memsentry run`` keeps to memsentry's budget: a light
+    iteration may pass with a count only (no row), so the loop's 10 iterations are counted in
+    ``report.cost`` and the rows are some of them, in order."""
+    assert report.cost is not None and report.cost.iterations == 10
     complete = [it for it in report.iterations if it.boundary != "exit"]
-    assert len(complete) == 10
-    return complete[-1].allocated - complete[1].allocated
+    indices = [it.index for it in complete]
+    assert indices[:2] == [0, 1] and indices == sorted(set(indices)) and indices[-1] <= 9
+    second, last = complete[1], complete[-1]
+    assert last.index >= 5  # a span of several steps: the growth is no one step's noise
+    return (last.allocated - second.allocated) / (last.index - second.index)
 
 
 def test_samples_leaky_grows_and_fixed_does_not(
@@ -345,8 +354,8 @@ def test_samples_leaky_grows_and_fixed_does_not(
     # forward's activations; with batch 64 and 1024-wide hidden layers that is hundreds of
     # KiB a step. The fixed loop keeps 64 x 10 logits (2.5 KiB) a step.
     leaky_growth, fixed_growth = _growth(leaky), _growth(fixed)
-    assert leaky_growth > 8 * 256 * 1024
-    assert fixed_growth < 8 * 16 * 1024
+    assert leaky_growth > 256 * 1024
+    assert fixed_growth < 16 * 1024
     assert leaky_growth > 10 * fixed_growth
     # The heuristics engine names both leaks and the missing no_grad in the leaky run, with
     # the variables and lines; the fixed run has nothing to say.

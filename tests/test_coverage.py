@@ -15,8 +15,6 @@ from torch.nn.modules import module as module_globals
 
 import memsentry
 
-pytestmark = pytest.mark.default_policy  # the default tuning, on fake clocks
-
 
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)

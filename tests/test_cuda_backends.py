@@ -202,7 +202,8 @@ def test_cuda_malloc_async_is_measured_without_what_it_refuses(
         cuda_async: FakeAsyncAllocator) -> None:
     """No observer attached and no history recorded (both refused): the report says so,
     with what to change for a memory_viz snapshot."""
-    error, report = train(cuda_async, lambda call: [16 * MiB], snapshot=True)
+    # the peak of every iteration: no budget
+    error, report = train(cuda_async, lambda call: [16 * MiB], snapshot=True, overhead=None)
     assert error is None
     assert (cuda_async.attach_calls, cuda_async.history_calls) == (0, 0)
     assert report.backend == "cuda-malloc-async"
@@ -224,7 +225,10 @@ def test_no_expandable_segments_advice_under_cuda_malloc_async(
     def warm_up() -> None:
         cuda_async.free(cuda_async.malloc(GiB))
 
-    error, report = train(cuda_async, lambda call: [16 * MiB], steps=8, before=warm_up)
+    # the rule reads reserved memory at several iterations, which light ones do not read:
+    # every iteration measured, no budget
+    error, report = train(cuda_async, lambda call: [16 * MiB], steps=8, before=warm_up,
+                          overhead=None)
     assert error is None
     (finding,) = [f for f in report.findings if f.rule == "allocator-fragmentation"]
     assert "expandable_segments" in finding.fix and "does nothing under this one" in finding.fix

@@ -103,7 +103,9 @@ def test_exact_mode_resets_the_accelerator_peak_counter(xpu: FakeAllocator) -> N
 def test_track_on_the_accelerator_follows_its_counters(xpu: FakeAllocator) -> None:
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with memsentry.track(model, device="xpu", on_leak="ignore", holders=False) as t:
+    # figures of every iteration: no budget
+    with memsentry.track(model, device="xpu", on_leak="ignore", holders=False,
+                         overhead=None) as t:
         for _ in range(8):
             model(torch.randn(8, 16)).sum().backward()
             opt.step()
@@ -222,7 +224,9 @@ def test_tracking_leaves_every_peak_of_the_program_as_it_reads_them(
 def test_track_on_cuda_follows_the_allocator(cuda: FakeCachingAllocator) -> None:
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False) as t:
+    # figures of every iteration: no budget
+    with memsentry.track(model, device="cuda", on_leak="ignore", holders=False,
+                         overhead=None) as t:
         for _ in range(8):
             model(torch.randn(8, 16)).sum().backward()
             opt.step()

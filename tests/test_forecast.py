@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import MiB, iterations, report
 from torch import nn
 
 import memsentry
 from memsentry.cli import main
 from memsentry.model import ForecastMethod
+from memsentry.rules.forecast import points
 
 WIDTH = 1024
 
@@ -22,7 +24,8 @@ def train(batches: list[int], *, exact: bool) -> memsentry.Report:
     model = nn.Sequential(nn.Linear(256, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
                           nn.Linear(WIDTH, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with memsentry.track(model, exact=exact, on_leak="ignore") as tracker:
+    # the forecasts rest on the peak and batch size of every iteration: no budget
+    with memsentry.track(model, exact=exact, on_leak="ignore", overhead=None) as tracker:
         for batch in batches:
             x = torch.randn(batch, 256)
             target = torch.zeros(batch, dtype=torch.long)
@@ -109,3 +112,18 @@ def test_memsentry_run_fit_says_the_batch_that_fits(
     assert "from the peaks measured at batch 256 (2 iterations), 512 (4 iterations)" in out
     assert main(["run", "--fit", "0", str(script)]) == 2  # refused before running
     assert "--fit" in capsys.readouterr().err
+
+
+def test_light_iterations_peaks_are_left_out_of_the_forecast() -> None:
+    """Under a budget a light iteration reads no peak inside (on CPU its peak is the
+    boundary's allocated figure): its batch size is not a measured point, or the line would
+    run too low and the batch said to fit would not. The allocator's own peak (CUDA, read
+    in light iterations too) counts."""
+    sampled = iterations([100 * MiB] * 5, peak=300 * MiB, batch=256, sampled=True)
+    light = iterations([100 * MiB] * 5, first=5, batch=512, sampled=False)
+    built = report(iterations=(*sampled, *light))
+    assert [(p.batch, p.peak) for p in points(built)] == [(256, 300 * MiB)]
+    exact = iterations([100 * MiB] * 5, peak=500 * MiB, first=5, batch=512,
+                                sampled=False, peak_exact=True)
+    built = report(iterations=(*sampled, *exact))
+    assert [(p.batch, p.peak) for p in points(built)] == [(256, 300 * MiB), (512, 500 * MiB)]

@@ -167,7 +167,7 @@ def test_no_grad_saves_nothing_and_measures_no_backward(mlp: nn.Sequential) -> N
 
 def test_backward_is_measured_for_every_layer_of_a_training_loop() -> None:
     model = make_mlp()
-    with memsentry.track(model) as t:
+    with memsentry.track(model, overhead=None) as t:  # every call measured
         train(model, 3)
     layers = t.report().layers
     assert [layer.name for layer in layers] == ["Sequential", "0", "1", "2"]
@@ -233,7 +233,7 @@ def test_a_pass_through_module_has_no_backward_window() -> None:
     # while the layers around it keep theirs.
     model = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8))
     x = torch.randn(4, 8)
-    with memsentry.track(model) as t:
+    with memsentry.track(model, overhead=None) as t:  # every call measured
         for _ in range(3):
             model(x).sum().backward()
             t.step()

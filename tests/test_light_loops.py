@@ -16,8 +16,6 @@ from torch import nn
 import memsentry
 from memsentry.census.children import only_atoms
 
-pytestmark = pytest.mark.default_policy  # the default tuning: the budget decides
-
 
 class Agent(nn.Module):
     """Acts through ``self.forward`` (as many RL scripts do), so its layers are the outermost

@@ -126,6 +126,17 @@ def leaks(report: Report) -> list[Any]:
     return [f for f in report.findings if f.severity is Severity.LEAK]
 
 
+def assert_iterations(report: Report, count: int) -> None:
+    """The loop ran ``count`` iterations. The magics keep to memsentry's budget (they take no
+    overhead option): a light iteration may pass with a count only, with no row in the
+    timeline, so the iterations are counted in ``report.cost`` and the rows are some of them,
+    in order; a row for the partial iteration closed at the end comes last, boundary "exit"."""
+    assert report.cost is not None and report.cost.iterations == count
+    indices = [it.index for it in report.iterations if it.boundary != "exit"]
+    assert indices[:1] == [0] and indices == sorted(set(indices)) and indices[-1] < count
+    assert [it.index for it in report.iterations if it.boundary == "exit"] in ([], [count])
+
+
 # -- loading -----------------------------------------------------------------------------------
 def test_load_ext_registers_the_three_magics(shell: InteractiveShell) -> None:
     assert shell.find_cell_magic("memsentry") is not None
@@ -178,9 +189,10 @@ def test_a_cell_with_no_module_nor_optimizer_is_judged_too(shell: InteractiveShe
               "    loss.backward()\n    with torch.no_grad():\n        W -= 0.01 * W.grad\n"
               "    hist.append(loss)")
     report = last_report(shell)
-    assert len(report.iterations) == 30  # each backward pass closed one
+    assert_iterations(report, 30)  # each backward pass closed one
     (finding,) = leaks(report)
     assert finding.subject is not None and finding.subject.name == "hist"
+    assert "gains 1 tensor/iter" in finding.message  # each census counted in its time
     assert finding.location == Location(f"In[{cell}]", 9)  # hist.append(loss)
 
 
@@ -189,7 +201,7 @@ def test_a_clean_loop_gives_no_leak(shell: InteractiveShell) -> None:
     ok(shell, CLEAN)
     report = last_report(shell)
     assert leaks(report) == []
-    assert len(report.iterations) == 8  # each optimizer step closed one
+    assert_iterations(report, 8)  # each optimizer step closed one
     assert len(shell.user_ns["losses"]) == 8
 
 
@@ -340,7 +352,9 @@ def test_cells_ending_with_a_semicolon_keep_nothing(shell: InteractiveShell) -> 
     ok(shell, "%memsentry stop")
     assert [f for f in last_report(shell).findings if f.subject is not None
             and f.subject.name == "Out"] == []
-    assert len(last_report(shell).iterations) == 8  # each call of the model closed one
+    # each call of the model closed the one before it; the eighth's closed at the stop
+    assert_iterations(last_report(shell), 7)
+    assert last_report(shell).iterations[-1].boundary == "exit"
 
 
 def test_start_and_stop_refuse_what_does_not_fit(shell: InteractiveShell) -> None:

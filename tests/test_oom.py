@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from fake_clock import FakeClock
+from seams import tracked
 from torch import nn
 
 import memsentry
@@ -28,27 +30,30 @@ def cuda_message(size: str) -> str:
 
 
 class Failing(nn.Module):
-    """A layer that fails from its third call on, with ``fail()``."""
+    """A layer that fails from its ``first``-th call on (the third by default), with
+    ``fail()``."""
 
-    def __init__(self, fail: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, fail: Callable[[torch.Tensor], torch.Tensor], first: int = 3) -> None:
         super().__init__()
         self.linear = nn.Linear(WIDTH, WIDTH)
         self.fail = fail
         self.calls = 0
+        self.first = first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         x = self.linear(x)
-        return self.fail(x) if self.calls >= 3 else x
+        return self.fail(x) if self.calls >= self.first else x
 
 
 def huge_allocation(x: torch.Tensor) -> torch.Tensor:
     return x + torch.empty(TIB, dtype=torch.uint8)[:1].float()  # 1 TiB: the CPU refuses
 
 
-def model_with(fail: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+def model_with(fail: Callable[[torch.Tensor], torch.Tensor], first: int = 3) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), Failing(fail), nn.Linear(WIDTH, 1))
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), Failing(fail, first),
+                         nn.Linear(WIDTH, 1))
 
 
 def run(model: nn.Module, optimizer: torch.optim.Optimizer, tracked: bool
@@ -112,6 +117,31 @@ def test_a_real_cpu_allocation_failure_in_a_forward_is_explained() -> None:
                                    "(iteration 2) asking for 1.0 TiB")
         assert "would have fit" in lines[1]
     assert "Out of memory: RuntimeError in the forward of `2`" in str(report)
+
+
+def test_a_failure_in_a_light_iteration_names_its_layer_and_batch_from_the_traceback() -> None:
+    """Past the first iterations a loop over its budget runs light: no hook on the failing
+    layer (a bare iteration hooks none) sees the error go by. The frames of the module calls
+    it went through still name the layer, and the outermost call's argument the batch."""
+    model = model_with(huge_allocation, first=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = FakeClock(tick=1e-3)  # every reading costs 1 ms: the budget runs out at once
+    tracker = tracked(model, clock=clock, credit=0.0, on_leak="ignore")
+    with pytest.raises(RuntimeError, match="can't allocate memory"), tracker:
+        for _ in range(10):
+            clock.advance(0.002)
+            model(torch.randn(BATCH, WIDTH)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    report = tracker.report()
+    # Three sampled iterations, then light ones up to the failure (the end's row, 7, is read
+    # in full as every end is).
+    assert [it.index for it in report.iterations if it.sampled] == [0, 1, 2, 7]
+    assert report.iterations[-1].boundary == "exit"
+    oom = report.oom
+    assert oom is not None
+    assert (oom.phase, oom.layer, oom.iteration, oom.batch) == (Phase.FORWARD, "2", 7, BATCH)
+    assert FixKind.BATCH in [f.kind for f in oom.fixes]
 
 
 class FailingBackward(torch.autograd.Function):

@@ -34,7 +34,6 @@ from memsentry.record.policy import (
 
 MS = 1e-3
 
-pytestmark = pytest.mark.default_policy  # the default tuning, on fake clocks
 
 
 def _run(budget: Budget, clock: FakeClock, steps: int, *, loop: float,
@@ -204,6 +203,8 @@ def test_light_iterations_pass_boundaries_to_keep_reading_within_half_the_budget
     assert passes(poor, each=1e-6, closing=1.0, running=600) == DEFAULT.max_passed
     rich = replace(poor, spent=0.0)
     assert passes(rich, each=1 * MS, closing=100e-6, running=200) == 0
+    # ... nor while a census is pending: the next closing takes it, under its iteration.
+    assert passes(poor, each=1 * MS, closing=100e-6, running=200, census_pending=True) == 0
 
 
 @pytest.mark.parametrize(("signal", "pending", "running", "hooks"), [

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import iterations_run
 from torch import nn
 
 import memsentry
@@ -81,6 +82,15 @@ def _untracked(seed: int) -> list[torch.Tensor]:
     return results[seed][1]
 
 
+def _own_calls(layer: memsentry.LayerStats) -> bool:
+    """A layer of the thread's loop was called ``STEPS`` times: its count says so when every
+    call was seen; under the budget, calls in light iterations are not counted, and what is
+    counted must be the thread's own (no more than ``STEPS``)."""
+    if layer.calls_complete:
+        return layer.calls == STEPS
+    return 0 < layer.calls <= STEPS
+
+
 @pytest.mark.parametrize("count", [2, 3])
 @pytest.mark.parametrize("how", ["track(model)", "track()", "exact"])
 def test_trackers_in_threads_count_their_own_loop_and_change_nothing(count: int,
@@ -98,10 +108,11 @@ def test_trackers_in_threads_count_their_own_loop_and_change_nothing(count: int,
             outcome = results[seed]
             assert not isinstance(outcome, BaseException), f"thread {seed}: {outcome!r}"
             report, params = outcome
-            assert len(report.iterations) == STEPS, f"thread {seed}"
-            assert all(it.boundary is memsentry.Boundary.OPTIMIZER for it in report.iterations)
+            assert iterations_run(report) == STEPS, f"thread {seed}"
+            assert all(it.boundary is memsentry.Boundary.OPTIMIZER for it in report.iterations
+                       if it.boundary is not memsentry.Boundary.EXIT)
             assert {layer.name for layer in report.layers} >= {"0", "1", "2"}
-            assert all(layer.calls == STEPS for layer in report.layers
+            assert all(_own_calls(layer) for layer in report.layers
                        if layer.name in ("0", "1", "2")), f"thread {seed}"
             for a, b in zip(expected[seed], params, strict=True):
                 assert torch.equal(a, b)
@@ -128,8 +139,9 @@ def test_a_tracker_with_no_model_ignores_an_untracked_thread() -> None:
     other.join(timeout=120)
     report = tracker.report()
     assert not isinstance(results[5], BaseException)
-    assert len(report.iterations) == STEPS
-    assert max(layer.calls for layer in report.layers) == STEPS
+    assert iterations_run(report) == STEPS
+    assert all(_own_calls(layer) for layer in report.layers)
+    assert max(layer.calls for layer in report.layers) <= STEPS
 
 
 def test_a_loop_run_in_another_thread_than_the_tracker_started_in_is_followed() -> None:
@@ -148,8 +160,8 @@ def test_a_loop_run_in_another_thread_than_the_tracker_started_in_is_followed() 
         worker.start()
         worker.join(timeout=60)
     report = tracker.report()
-    assert len(report.iterations) == STEPS
-    assert report.layer("0").calls == STEPS
+    assert iterations_run(report) == STEPS
+    assert _own_calls(report.layer("0"))
 
 
 # -- verdicts on process-wide figures -------------------------------------------------------

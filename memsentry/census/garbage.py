@@ -76,6 +76,14 @@ def _collect_saving(everything: bool) -> list[Any]:
     return found
 
 
+def _seen(found: list[object]) -> _Found:
+    """What ``found`` holds, counted."""
+    seen = _Found()
+    for obj in found:
+        seen.add(obj)
+    return seen
+
+
 def garbage_census(sample: Callable[[], int], full_collections: int = 0,
                    full_freed: int = 0, *, everything: bool = False) -> GarbageStats:
     """Collect the two young generations (all of them when ``everything``), keeping what the
@@ -92,9 +100,7 @@ def garbage_census(sample: Callable[[], int], full_collections: int = 0,
     """
     before = sample()
     found = _collect_saving(everything)
-    seen = _Found()
-    for obj in found:
-        seen.add(obj)
+    seen = _seen(found)  # in a function: no loop variable keeps the last object alive
     objects = len(found)
     found.clear()
     del found

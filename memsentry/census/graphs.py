@@ -36,14 +36,14 @@ def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
-def graph_size(walk: Walk, roots: Iterable[Any], seen: set[int], budget: Budget
+def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budget
                ) -> tuple[int, int]:
-    """(nodes, saved bytes) reachable from ``roots`` that no earlier holder claimed (``seen``
-    is updated); saved storages count once per walk, through ``walk``. Graphs have their own
-    ``budget``: a huge graph (an LBFGS closure's, kept for every step) cuts the graph figures
-    short, not the holders the walk found."""
+    """(nodes, saved bytes) reachable from the nodes ``grad_fns`` that no earlier holder
+    claimed (``seen`` is updated); saved storages count once per walk, through ``walk``.
+    Graphs have their own ``budget``: a huge graph (an LBFGS closure's, kept for every step)
+    cuts the graph figures short, not the holders the walk found."""
     nodes = saved = 0
-    stack = [r for r in roots if id(r) not in seen]
+    stack = [r for r in grad_fns if id(r) not in seen]
     while stack and not budget.spent():
         node = stack.pop()
         if id(node) in seen:

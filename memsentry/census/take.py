@@ -389,9 +389,9 @@ def _freeze_holders(walk: Walk, budget: Budget) -> list[HolderStats]:
     graphs: dict[int, tuple[int, int]] = {}
     nodes_seen: set[int] = set()
     for holder in sorted(walk.tally.holders.values(), key=walk.declared):
-        graphs[id(holder)] = graph_size(walk, holder.roots, nodes_seen, budget) \
-            if holder.roots else (0, 0)
-        holder.roots.clear()
+        graphs[id(holder)] = graph_size(walk, holder.grad_fns, nodes_seen, budget) \
+            if holder.grad_fns else (0, 0)
+        holder.grad_fns.clear()
     return [_freeze(holder, *graphs[id(holder)]) for holder in walk.tally.holders.values()]
 
 
@@ -400,7 +400,7 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: 
     """Parameters whose ``.grad`` carries a ``grad_fn`` (``backward(create_graph=True)``): one
     holder for all of them, named after the first; ``items`` counts them."""
     paths: list[tuple[Step, ...]] = []
-    roots, size = [], 0
+    grad_fns, size = [], 0
     for module_name, module in modules:
         for param_name, param in module._parameters.items():
             grad = None if param is None else param.grad
@@ -408,12 +408,12 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: 
                 steps = [*module_name.split("."), param_name] if module_name else [param_name]
                 paths.append((Step(StepKind.ROOT, steps[0]),
                               *(Step(StepKind.ATTRIBUTE, s) for s in [*steps[1:], "grad"])))
-                roots.append(grad.grad_fn)
+                grad_fns.append(grad.grad_fn)
                 size += walk.tally.count_bytes(grad)
     if not paths:
         return []
-    nodes, saved = graph_size(walk, roots, set(), budget)
-    roots.clear()
+    nodes, saved = graph_size(walk, grad_fns, set(), budget)
+    grad_fns.clear()
     return [
         HolderStats(
             path=paths[0], kind=HolderKind.GRADIENT, scope=None, where=None, items=len(paths),

@@ -47,7 +47,7 @@ class Holder:
     nodes: int = 0
     buffers: int = 0
     container: str | None = None
-    roots: list[Any] = field(default_factory=list)
+    grad_fns: list[Any] = field(default_factory=list)  # where its tensors' graphs begin
 
 
 class Item:
@@ -114,7 +114,7 @@ class Tally:
             holder.bytes += self.count_bytes(tensor, holder=holder)
             if tensor.grad_fn is not None:
                 holder.graph_tensors += 1
-                holder.roots.append(tensor.grad_fn)
+                holder.grad_fns.append(tensor.grad_fn)
 
     def model(self, item: Item, module: nn.Module) -> None:
         """A whole model kept in a container: counted with its parameters."""
@@ -162,7 +162,7 @@ class Tally:
         if self.targets is None:
             holder = self.holder(item)
             holder.nodes += 1
-            holder.roots.append(node)
+            holder.grad_fns.append(node)
 
     def _match(self, item: Item, tensor: torch.Tensor) -> None:
         key = storage_key(tensor)

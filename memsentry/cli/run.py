@@ -40,7 +40,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
             _add_flag(parser, setting, setting.flag)
     parser.add_argument("--fit", metavar="SIZE",
                         help="also say the largest batch whose forecast peak fits in SIZE "
-                             "(e.g. 80GiB), from the batch sizes the run measured")
+                             "(e.g. 80GiB), from the batch sizes the run measured; every "
+                             "iteration is then measured, whatever it costs (the forecast "
+                             "needs each one's peak and batch size)")
     add_table_options(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="run SCRIPT as a module name, like python -m")
@@ -167,10 +169,19 @@ def run(args: argparse.Namespace) -> int:
         tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore",
                           snapshot=bool(args.snapshot), gather_timeout=args.gather_timeout,
                           alarm=_alarm, report_path=_live_path(args.json), watch=args.watch,
-                          overhead=WATCH_OVERHEAD if args.watch else OVERHEAD)
+                          overhead=_overhead(args))
     except (MemsentryError, TypeError, ValueError) as exc:
         return fail("run", str(exc))
     return _Run(args, tracker)(script)
+
+
+def _overhead(args: argparse.Namespace) -> float | None:
+    """The tracker's budget: none for ``--fit`` (a light iteration reads no peak inside and no
+    batch size, and a forecast from the first iterations alone would miss the batch sizes the
+    script ran later), else the default, or watch()'s."""
+    if args.fit is not None:
+        return None
+    return WATCH_OVERHEAD if args.watch else OVERHEAD
 
 
 def _alarm(text: str, leaks: tuple[Finding, ...]) -> None:

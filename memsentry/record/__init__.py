@@ -5,7 +5,7 @@ the only mutable state of memsentry.
 (running forwards and backwards), ``sampler`` (reading the backend on the hot path),
 ``coverage`` (which calls are measured, within a share of the loop's time),
 ``forward`` (module hooks and the saved-tensor hook), ``backward`` (each layer's backward),
-``roots`` (forwards no backward used), ``timeline`` (the iteration clock and timeline),
+``outermost`` (forwards no backward used), ``timeline`` (the iteration clock and timeline),
 ``schedule`` (when censuses run) and ``recorder`` (the shell that wires them).
 """
 

@@ -20,6 +20,7 @@ from memsentry.record.coverage import Coverage
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.growth import GrowthEvidence
 from memsentry.record.layers import LayerRegistry
+from memsentry.record.outermost import OutermostCalls
 from memsentry.record.parts import Parts
 from memsentry.record.policy import (
     HookState,
@@ -31,7 +32,6 @@ from memsentry.record.policy import (
     plan_next,
 )
 from memsentry.record.ranks import remember_store
-from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler, breakdown
 from memsentry.record.schedule import CensusSchedule
 from memsentry.record.signals import Signals
@@ -47,8 +47,8 @@ class Boundaries:
 
     def __init__(self, *, sampler: Sampler, parts: Parts, coverage: Coverage, budget: Budget,
                  clock: IterationClock, timeline: Timeline, censuses: CensusSchedule,
-                 backward: BackwardTimer | None, roots: RootCalls, forward: ForwardRecorder,
-                 registry: LayerRegistry, holders: bool,
+                 backward: BackwardTimer | None, outermost: OutermostCalls,
+                 forward: ForwardRecorder, registry: LayerRegistry, holders: bool,
                  census_roots: Callable[[], dict[str, Any]], signals: Signals) -> None:
         self._sampler = sampler
         self._parts = parts
@@ -58,7 +58,7 @@ class Boundaries:
         self._timeline = timeline
         self._censuses = censuses
         self._backward = backward
-        self._roots = roots
+        self._outermost = outermost
         self._forward = forward
         self._registry = registry
         self._holders = holders
@@ -72,6 +72,8 @@ class Boundaries:
         self._workers_read = reading_seconds()  # charged to the budget up to here
         self._now = budget.clock
         self.plan: IterationPlan | None = None  # the running iteration's, from the policy
+        self._account = budget.account()  # as the last boundary left it
+        self._censuses_seen = 0  # censuses taken at the last light boundary
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
         """Whether the boundary ``event`` only counts an iteration: in a run of bare light
@@ -86,13 +88,15 @@ class Boundaries:
 
     def end(self) -> None:
         """Tracking ends: the boundaries passed since the last closed iteration count as
-        light iterations, and the partial iteration at the end is closed when it ran module
-        calls, or when none could be seen (a bare light iteration hooks no module), or when
-        no iteration ended at all."""
-        if self._passed:
-            self._budget.end_iteration(self._now() - self._clock.started, self._passed)
+        light iterations, and the partial iteration at the end is closed when boundaries
+        were passed (its row's index tells them, which no row would otherwise), when it ran
+        module calls, when none could be seen (a bare light iteration hooks no module), or
+        when no iteration ended at all."""
+        passed = self._passed
+        if passed:
+            self._budget.end_iteration(self._now() - self._clock.started, passed)
             self.skip = 0  # _passed stays: the closing below spans those boundaries
-        if self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
+        if passed or self._clock.calls or not self._timeline.items or self._forward.hooks.bare:
             self.close(Boundary.EXIT)
         self._passed = 0
 
@@ -159,13 +163,13 @@ class Boundaries:
         allocated = self._sampler.sample()
         # A peak counter reset where the iteration began gives its peak, hooks or none.
         exact = self._sampler.peaks_exact() and not passed
-        resident = self._clock.resident()  # no block count: full boundaries read it
+        resident = self._clock.resident()
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None,
             peak=self._sampler.peak if exact else allocated, peak_exact=exact,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
             data_seconds=self._clock.data_seconds(passed + 1), sampled=False,
-            resident=resident))
+            resident=resident, python_blocks=self._blocks_after_census()))
         if boundary != Boundary.FORWARD:
             self._settle_calls()
         census = self._pending_census()
@@ -180,11 +184,23 @@ class Boundaries:
             self.skip = self._to_pass(each)
         return census
 
+    def _blocks_after_census(self) -> int | None:
+        """Python's block count at a light boundary when a census ran since the last one
+        (so that the readings of Python values keep their pace whatever the budget allows),
+        else ``None``: counting costs tens of microseconds."""
+        taken = len(self._censuses.censuses)
+        if taken == self._censuses_seen:
+            return None
+        self._censuses_seen = taken
+        return self._clock.python_blocks(self._sampler.own_blocks)
+
     def _to_pass(self, each: float) -> int:
         """How many of the next boundaries only count (:func:`~memsentry.record.policy.
         passes`), ``each`` the loop's seconds per iteration."""
-        return passes(self._budget.account(), each=each, closing=self._close_cost,
-                      running=self._clock.index, tuning=self._budget.tuning)
+        return passes(self._account, each=each, closing=self._close_cost,
+                      running=self._clock.index,
+                      census_pending=self._censuses.pending is not None,
+                      tuning=self._budget.tuning)
 
     def _signal(self) -> Signal:
         """The loop's iteration signal, as the policy reads it."""
@@ -209,7 +225,7 @@ class Boundaries:
     def _settle_calls(self) -> None:
         if self._backward is not None:
             self._backward.drop_hooks()
-        self._roots.settle()
+        self._outermost.settle()
 
     def census_at_call(self) -> float:
         """The first outermost call of an iteration takes the census pending since its
@@ -239,9 +255,12 @@ class Boundaries:
         remember_store()  # a script may destroy its process group before the block ends
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration
-            self._budget.end_iteration(seconds, iterations, began=now)
+            account = self._budget.end_iteration(seconds, iterations, began=now)
+        else:
+            account = self._budget.account()
+        self._account = account  # nothing is charged before the light closing reads it
         signal = self._signal()
-        plan = plan_next(self._budget.account(), self._coverage.current, signal,
+        plan = plan_next(account, self._coverage.current, signal,
                          index=index + 1, census_pending=self._censuses.pending is not None,
                          forward_running=bool(self._forward.stack),
                          tuning=self._budget.tuning)
@@ -251,7 +270,7 @@ class Boundaries:
         self._forward.hooks.follow(bare=plan.hooks is HookState.BARE, lean=lean)
         # Light calls are watched thinned out unless the ends of backward passes close the
         # iterations (they are seen through the watched calls).
-        self._roots.thin = signal.step or signal.forward
+        self._outermost.thin = signal.step or signal.forward
         self._clock.advance(now)
 
     def _census_wanted(self, index: int, iterations: int) -> bool:

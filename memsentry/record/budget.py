@@ -209,12 +209,13 @@ class Budget:
 
     # -- iterations ----------------------------------------------------------------------
     def end_iteration(self, seconds: float, iterations: int = 1, *,
-                      began: float | None = None) -> Ended:
+                      began: float | None = None) -> Account:
         """The running iteration (or ``iterations`` light ones) ended after ``seconds`` of
         clocked time: the loop's time and the prices are brought up to date, and the next
         iteration is sampled or light as the policy says. ``began``: when the next one began
         on the iteration clock (the boundary's own work, charged after this call, is inside
-        it); now when not given. Returns the facts of the ended iteration."""
+        it); now when not given. Returns the account as it stands after the ended iteration
+        (what :meth:`account` would build until the next charge)."""
         own = self._inside
         self._inside = 0.0
         self.loop += max(0.0, seconds - own)
@@ -232,7 +233,7 @@ class Budget:
         self.light = next_kind(account, self.tuning)[0] is Kind.LIGHT
         self._began = self.clock() if began is None else began
         self._judged_began = self.judged
-        return ended
+        return account
 
     def merged(self, iterations: int, sampled: int) -> None:
         """``iterations`` ended iterations, ``sampled`` of them sampled, were parts of the one

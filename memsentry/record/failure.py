@@ -5,18 +5,24 @@ An out-of-memory error is ``torch.OutOfMemoryError`` (CUDA, and other accelerato
 failure outside PyTorch's allocator: a CUDA call or a CUDA library that ran out of device
 memory of its own (``CUDA error: out of memory``, raised as ``torch.AcceleratorError`` since
 torch 2.8; ``CUBLAS_STATUS_ALLOC_FAILED`` and the others :mod:`memsentry.record.oomtext`
-lists, with the torch source each follows). When one goes through a module's forward, that
-module's post-hook (which PyTorch runs while the error propagates) notes the innermost layer
-and what memory held, before the stack unwinds; otherwise the tracked block's exit finds the
-phase from the traceback: autograd's engine (backward), an optimizer's ``step``, or the loop's
-own code. memsentry only records: the error goes on as it was raised.
+lists, with the torch source each follows). When one goes through a module's forward, the
+post-hook of the innermost module still hooked (PyTorch runs it while the error propagates)
+notes what memory held, before the stack unwinds. The tracked block's exit reads the rest from
+the traceback: the innermost module whose call it went through (its frames of
+``Module._call_impl`` hold the module and its arguments, hooked or not: a light iteration
+hooks few modules or none) and the outermost call's batch; else the phase: autograd's engine
+(backward), an optimizer's ``step``, or the loop's own code. memsentry only records: the
+error goes on as it was raised.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
+from torch import nn
 
 from memsentry.measure import MemoryBackend
 from memsentry.measure.cuda import OOM_OBSERVER, CudaBackend
@@ -24,7 +30,7 @@ from memsentry.model import OutOfMemory, Phase
 from memsentry.record.cudafail import Figures, ceiling, cuda_figures, observed_since
 from memsentry.record.oomtext import read_message, read_outside
 from memsentry.record.sampler import Moment, Sampler, at_moment, with_outside
-from memsentry.record.timeline import IterationClock
+from memsentry.record.timeline import IterationClock, batch_size
 
 #: Phrases of the allocators' out-of-memory messages (CPU, CUDA's caching and cudaMallocAsync
 #: allocators, MPS, XPU).
@@ -74,6 +80,41 @@ def phase_of(traceback: TracebackType | None) -> Phase:
     return phase
 
 
+#: The frames of a module's call in torch/nn/modules/module.py (``_wrapped_call_impl`` calls
+#: ``_call_impl(self, *args, **kwargs)``, which calls ``forward``).
+_CALL_FRAMES = ("_wrapped_call_impl", "_call_impl")
+
+
+@dataclass(frozen=True)
+class CallsBroken:
+    """What an error's traceback says of the module calls it went through: the innermost
+    module with a name and the batch size of the outermost call (``None`` when unknown)."""
+
+    layer: str | None
+    batch: int | None
+
+
+def calls_broken(traceback: TracebackType | None,
+                 name_of: Callable[[nn.Module], str | None]) -> CallsBroken:
+    """The module calls an error went through, read from its traceback's frames: in an
+    iteration without module hooks (a light one) no post-hook noted the layer, but the frames
+    of ``Module._call_impl`` are still there, each with its module and arguments."""
+    layer: str | None = None
+    batch: int | None = None
+    while traceback is not None:
+        frame = traceback.tb_frame
+        traceback = traceback.tb_next
+        if frame.f_code.co_name not in _CALL_FRAMES:
+            continue
+        module = frame.f_locals.get("self")
+        if not isinstance(module, nn.Module):
+            continue
+        if batch is None:
+            batch = batch_size(frame.f_locals.get("args", ()))
+        layer = name_of(module) or layer
+    return CallsBroken(layer, batch)
+
+
 class FailureWatch:
     """The first sight of an out-of-memory error: inside a module's forward, the innermost
     layer and what memory held there."""
@@ -114,27 +155,45 @@ def figures(backend: MemoryBackend, message: str, watch: FailureWatch | None = N
     return Figures(said.requested, said.segment, backend.total_memory())
 
 
-def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
-            clock: IterationClock) -> OutOfMemory | None:
-    """What the tracked block's out-of-memory ``error`` ran into (``None`` when it is another
-    error, or nothing was measured): where, the size asked for, the parts of memory then,
-    and what the allocator could have held."""
-    backend = sampler.backend
-    if backend is None or not is_out_of_memory(error):
-        return None
+def _where(error: BaseException, watch: FailureWatch, sampler: Sampler, calls: CallsBroken
+           ) -> tuple[Phase, str | None, Moment, int]:
+    """(phase, layer, the moment memory was read, the total then) of an out-of-memory error:
+    as a module's post-hook saw it go by, else read now, in the phase its traceback shows; in
+    a forward, the layer is the innermost module call the traceback holds."""
     if watch.seen(error) and watch.moment is not None:
         phase, layer, moment, total = Phase.FORWARD, watch.layer, watch.moment, watch.total
     else:
         phase = phase_of(error.__traceback__)
         total, moment = sampler.sample(), sampler.moment()
         layer = moment.layer if phase is Phase.BACKWARD else None
+        if phase is Phase.BETWEEN and calls.layer is not None:
+            phase = Phase.FORWARD
+    if phase is Phase.FORWARD:
+        layer = calls.layer or layer
+    return phase, layer, moment, total
+
+
+def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
+            clock: IterationClock, name_of: Callable[[nn.Module], str | None] = lambda _: None
+            ) -> OutOfMemory | None:
+    """What the tracked block's out-of-memory ``error`` ran into (``None`` when it is another
+    error, or nothing was measured): where, the size asked for, the parts of memory then,
+    and what the allocator could have held. ``name_of`` names a module: the innermost named
+    one whose call the traceback holds is the layer (a post-hook sees the error only in the
+    modules still hooked)."""
+    backend = sampler.backend
+    if backend is None or not is_out_of_memory(error):
+        return None
+    calls = calls_broken(error.__traceback__, name_of)
+    phase, layer, moment, total = _where(error, watch, sampler, calls)
+    batch = clock.batch if clock.batch is not None else calls.batch
     parts = at_moment(moment, with_outside(sampler, total), phase=phase, layer=layer)
     lines = str(error).strip().splitlines()
     sizes = figures(backend, str(error), watch)
     return OutOfMemory(
         error=type(error).__name__, message=(lines[0] if lines else "")[:500], phase=phase,
         layer=layer, iteration=clock.index, requested_bytes=sizes.requested,
-        breakdown=parts, capacity=sizes.capacity, batch=clock.batch,
+        breakdown=parts, capacity=sizes.capacity, batch=batch,
         device_free=sizes.free, segment=sizes.segment, limit=sizes.limit,
         reserved=sizes.reserved, device_total=sizes.total, source=sizes.source,
         call=sizes.call, device=sizes.device, tracked=sizes.tracked,
@@ -142,5 +201,5 @@ def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
     )
 
 
-__all__ = ["MARKERS", "FailureWatch", "ceiling", "explain", "figures", "is_out_of_memory",
-           "phase_of", "requested_bytes"]
+__all__ = ["MARKERS", "CallsBroken", "FailureWatch", "calls_broken", "ceiling", "explain",
+           "figures", "is_out_of_memory", "phase_of", "requested_bytes"]

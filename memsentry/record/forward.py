@@ -33,8 +33,8 @@ from memsentry.record.layers import (
     compiled_original,
     storage_bytes,
 )
+from memsentry.record.outermost import OutermostCalls
 from memsentry.record.parts import Parts
-from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.saved import SavedTensors, top_hooks
 from memsentry.record.threads import Owner
@@ -111,8 +111,8 @@ class ForwardRecorder:
     """
 
     def __init__(self, *, registry: LayerRegistry, sampler: Sampler, clock: IterationClock,
-                 stack: list[ForwardCall], backward: BackwardTimer | None, roots: RootCalls,
-                 saved: bool, coverage: Coverage, parts: Parts,
+                 stack: list[ForwardCall], backward: BackwardTimer | None,
+                 outermost: OutermostCalls, saved: bool, coverage: Coverage, parts: Parts,
                  start_backend: Callable[[nn.Module, Any], None],
                  iteration_start: Callable[[nn.Module], None], owner: Owner) -> None:
         self.active = False
@@ -126,7 +126,7 @@ class ForwardRecorder:
         self._sampler = sampler
         self._clock = clock
         self._backward = backward
-        self._roots = roots
+        self._outermost = outermost
         self._saved = saved
         self._start_backend = start_backend
         self._iteration_start = iteration_start
@@ -369,7 +369,7 @@ class ForwardRecorder:
             self.unhook_after = False
             self.hooks.follow(bare=True)
         elif torch.is_grad_enabled():
-            self._roots.watch_light(record.name, not module.training, tensors_in(output),
+            self._outermost.watch_light(record.name, not module.training, tensors_in(output),
                                     self._entry(module))
         self.coverage.counted(started)
 
@@ -419,5 +419,5 @@ class ForwardRecorder:
         """An outermost call ended with autograd on: its graph is watched until a backward
         reaches it (with what it saved, where that was counted)."""
         saved = call.saved_bytes if self._saved and call.measured else None
-        self._roots.watch(call.record.name, not module.training, saved, outputs,
+        self._outermost.watch(call.record.name, not module.training, saved, outputs,
                           self._entry(module))

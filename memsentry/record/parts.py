@@ -133,7 +133,7 @@ class Parts:
     def activations(self) -> int:
         return self.live.total
 
-    def _roots(self) -> list[nn.Module]:
+    def _top_modules(self) -> list[nn.Module]:
         """The tracked model, or without one the outermost modules called so far."""
         if self._model is not None:
             model = self._model()
@@ -169,7 +169,7 @@ class Parts:
     # -- reading ---------------------------------------------------------------------------
     def read_all(self) -> None:
         """Enumerate parameters, gradients and optimizer state (at a boundary)."""
-        params = known_parameters(self._roots(), list(self._optimizers))
+        params = known_parameters(self._top_modules(), list(self._optimizers))
         self._params = [weakref.ref(p) for p in params.values()]
         self.param_keys = {}
         self.parameters = storage_bytes(params.values(), self.param_keys)
@@ -200,13 +200,13 @@ class Parts:
                    for key, size in keys.items() if not counted(key))
 
 
-def known_parameters(roots: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]
+def known_parameters(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]
                      ) -> dict[int, torch.Tensor]:
-    """The distinct parameters of the ``roots`` and of the optimizers' groups, by ``id``, in
+    """The distinct parameters of the ``modules`` and of the optimizers' groups, by ``id``, in
     the order first met."""
     params: dict[int, torch.Tensor] = {}
     param: torch.Tensor
-    for module in roots:
+    for module in modules:
         for param in module.parameters():
             params.setdefault(id(param), param)
     for optimizer in optimizers:

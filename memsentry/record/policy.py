@@ -275,12 +275,15 @@ def judges_window(ended: Ended, *, layers: int, share: float | None,
 
 # -- boundaries passed with a count -------------------------------------------------------
 def passes(account: Account, *, each: float, closing: float, running: int,
-           tuning: Tuning = DEFAULT) -> int:
+           census_pending: bool = False, tuning: Tuning = DEFAULT) -> int:
     """How many of the next boundaries only count, after a light iteration whose closing
     took ``closing`` seconds (``each``: the loop's seconds per iteration; ``running``: the
     iteration that began): as many as keep reading boundaries within ``read_share`` of the
-    budget, no more than until a census falls due; none when the next one is sampled."""
-    if account.share is None or shortfall(account) <= 0:
+    budget, no more than until a census falls due; none when the next one is sampled, or
+    while a census is pending (a loop with no module call takes it at the next closing: a
+    passed boundary would put it off, to the block's end at worst, under the wrong
+    iteration)."""
+    if account.share is None or census_pending or shortfall(account) <= 0:
         return 0
     earned = account.share * max(each, 1e-9)  # what an iteration pays into the account
     count = math.ceil(closing / (tuning.read_share * earned)) - 1

@@ -42,10 +42,10 @@ from memsentry.record.forward import ForwardRecorder
 from memsentry.record.growth import GrowthEvidence
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.options import Options
+from memsentry.record.outermost import OutermostCalls
 from memsentry.record.parts import Parts
 from memsentry.record.passes import PlainPasses
 from memsentry.record.policy import Tuning
-from memsentry.record.roots import RootCalls
 from memsentry.record.sampler import Sampler
 from memsentry.record.schedule import CensusSchedule
 from memsentry.record.signals import Action, Signals
@@ -153,21 +153,21 @@ class Recorder:
         self._coverage = Coverage(options.overhead, self._budget, clock)
         self._backward = (BackwardTimer(self._sampler, running, self._clock, self._coverage)
                           if options.backward else None)
-        self._roots = RootCalls(self._clock, self._backward_ended)
+        self._outermost = OutermostCalls(self._clock, self._backward_ended)
         self._plain = PlainPasses(self._plain_backward)
         self._signals = Signals()
         self._censuses = CensusSchedule(self._sampler, self._registry, options.holder_budget,
                                         self._owner, self._budget)
         self._forward = ForwardRecorder(
             registry=self._registry, sampler=self._sampler, clock=self._clock,
-            stack=self._stack, backward=self._backward, roots=self._roots,
+            stack=self._stack, backward=self._backward, outermost=self._outermost,
             saved=options.saved_tensors, coverage=self._coverage, parts=self._parts,
             start_backend=self._start_lazily, iteration_start=self._outermost_call,
             owner=self._owner)
         self._boundaries = Boundaries(
             sampler=self._sampler, parts=self._parts, coverage=self._coverage,
             budget=self._budget, clock=self._clock, timeline=self._timeline,
-            censuses=self._censuses, backward=self._backward, roots=self._roots,
+            censuses=self._censuses, backward=self._backward, outermost=self._outermost,
             forward=self._forward, registry=self._registry, holders=options.holders,
             census_roots=self._census_roots, signals=self._signals)
         if options.watch:
@@ -252,7 +252,7 @@ class Recorder:
         self._plain.remove()
         self._forward.take_off()
         self._censuses.unwatch_collections()
-        self._roots.settle(everything=True)
+        self._outermost.settle(everything=True)
         self._forward.saved.pop()
         backend = self._sampler.backend
         if backend is not None:
@@ -299,8 +299,8 @@ class Recorder:
             return
         self._forward.settle_stack()
         if self._signals.wrapped_pass_ends_iteration(
-                bare=self._forward.hooks.bare, reached=self._roots.pass_seen(),
-                thinned=self._roots.thinned):
+                bare=self._forward.hooks.bare, reached=self._outermost.pass_seen(),
+                thinned=self._outermost.thinned):
             if self._sampler.backend is None:  # no module ran to pick the device
                 self._start_backend(first_device(tensors))
             self._signal(Boundary.BACKWARD)
@@ -363,8 +363,9 @@ class Recorder:
     def failed(self, error: BaseException) -> None:
         """The block ends with ``error``: an out-of-memory error is explained in the report;
         the graphs of the iteration it broke off are not judged unused."""
-        self._roots.abandon()
-        self._oom = explain(error, self._forward.failures, self._sampler, self._clock)
+        self._outermost.abandon()
+        self._oom = explain(error, self._forward.failures, self._sampler, self._clock,
+                            self._registry.name_of)
 
     # -- results ---------------------------------------------------------------------------
     def recording(self) -> ReportData:
@@ -390,6 +391,6 @@ class Recorder:
             peak_mode=backend.peak_mode, measured=backend.measured, notes=notes,
             dropped_iterations=self._timeline.dropped, torch_version=torch.__version__,
             allocator_stats=counters[0], nvml=counters[1], devices=counters[2],
-            censuses=tuple(self._censuses.censuses), unused_graphs=self._roots.unused(),
+            censuses=tuple(self._censuses.censuses), unused_graphs=self._outermost.unused(),
             oom=self._oom, cost=cost, other_threads=self._owner.others(),
         ))

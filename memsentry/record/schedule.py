@@ -119,6 +119,8 @@ class CensusSchedule:
         (the schedule, or growth asking for one); the policy says whether it is taken as the
         next iteration begins or waits, with the first claim on the account, for a boundary
         that can pay for it (:func:`~memsentry.record.policy.census_step`)."""
+        if not due and not self.wanted:  # census_step would leave every field as it is
+            return
         state = census_step(
             CensusState(wanted=self.wanted, pending=self.pending, taken=len(self.censuses),
                         deferred=self.ledger.deferred, last_cost=self.last_cost),

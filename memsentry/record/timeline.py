@@ -50,11 +50,11 @@ class IterationClock:
             self._timing = True
             self._fetched = waited()
             self._began = self.now()
-            sample()  # the process's memory as tracking begins
+            sample(charged=False)  # the process's memory as tracking begins
 
     def stop_timing_batches(self) -> None:
         if self._timing:
-            sample()  # the workers' and the process's memory as tracking ends
+            sample(charged=False)  # the workers' and the process's memory as tracking ends
             self._resident.close()
             self._processes = recorded(self._began)
             uninstall()
@@ -89,11 +89,16 @@ class IterationClock:
             peak_exact=exact,
             seconds=now - self.started, boundary=boundary, forward_calls=self.calls,
             data_seconds=self.data_seconds(), batch=self.batch, parts=parts,
-            resident=self.resident(),
-            # The block count walks every arena of Python's allocator (30 us with torch
-            # imported, 200 us beside 3 million objects): read at full boundaries only.
-            python_blocks=sys.getallocatedblocks() - own_blocks,
+            resident=self.resident(), python_blocks=self.python_blocks(own_blocks),
         )
+
+    @staticmethod
+    def python_blocks(own_blocks: int) -> int:
+        """Python's small-object blocks in use, less ``own_blocks`` (the censuses' records).
+        The count walks every arena of Python's allocator (30 us with torch imported, 100 us
+        beside a million lists): it is read at full boundaries, and at light ones only
+        where a census ran in the iteration (whose milliseconds dwarf it)."""
+        return sys.getallocatedblocks() - own_blocks
 
     def resident(self) -> int | None:
         """The process's resident bytes now (1.4 us: ``statm`` kept open)."""

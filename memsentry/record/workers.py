@@ -137,8 +137,11 @@ def _number(dataset: Any) -> tuple[int, int]:
     return _counted, 1
 
 
-def sample() -> None:
-    """One round of readings: the tracked process and every worker still running."""
+def sample(*, charged: bool = True) -> None:
+    """One round of readings: the tracked process and every worker still running.
+    ``charged``: its seconds count in :func:`reading_seconds`, which trackers charge to their
+    budgets; the readings as tracking begins and ends are not (they are outside the loop's
+    iterations, and their real time would reach a policy that runs on a test's fake clock)."""
     global _due, _spent
     began = time.perf_counter()
     with _lock:
@@ -150,7 +153,8 @@ def sample() -> None:
                 process.read(began)
     spent = time.perf_counter() - began
     _due = began + max(MIN_INTERVAL, spent / SHARE)
-    _spent += spent
+    if charged:
+        _spent += spent
 
 
 def reading_seconds() -> float:

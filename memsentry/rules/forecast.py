@@ -55,9 +55,17 @@ class Line:
         return round(self.fixed + self.per_sample * batch)
 
 
+def _peak_read(it: IterationStats) -> bool:
+    """Whether ``it``'s peak was read inside it: a sampled iteration's, or the allocator's own
+    (CUDA); a light iteration's peak on other devices is its boundary's allocated figure,
+    which would put the forecast peak too low."""
+    return it.sampled or it.peak_exact
+
+
 def _measured(report: ReportData) -> list[IterationStats]:
-    """The iterations with a batch size, after the warm-up ones where enough remain."""
-    closed = [it for it in complete(report.iterations) if it.batch]
+    """The iterations with a batch size and a peak read inside them, after the warm-up ones
+    where enough remain."""
+    closed = [it for it in complete(report.iterations) if it.batch and _peak_read(it)]
     later = closed[WARMUP:]
     return later if later else closed
 

@@ -78,7 +78,7 @@ class RootCall:
         )
 
 
-class RootCalls:
+class OutermostCalls:
     """The outermost calls of the running and the previous iteration, and the unused ones of
     those before. A call is judged one boundary after its own iteration ended: a backward may
     come after the boundary (a GAN's generator loss, backpropagated after the discriminator's
