@@ -23,6 +23,7 @@ from memsentry.record.layers import LayerRegistry
 from memsentry.record.outermost import OutermostCalls
 from memsentry.record.parts import Parts
 from memsentry.record.policy import (
+    Account,
     HookState,
     IterationPlan,
     Signal,
@@ -72,7 +73,6 @@ class Boundaries:
         self._workers_read = reading_seconds()  # charged to the budget up to here
         self._now = budget.clock
         self.plan: IterationPlan | None = None  # the running iteration's, from the policy
-        self._account = budget.account()  # as the last boundary left it
         self._censuses_seen = 0  # censuses taken at the last light boundary
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
@@ -175,13 +175,13 @@ class Boundaries:
         census = self._pending_census()
         if census:
             now = self._now()
-        self._advance(boundary, seconds, now, iterations=passed + 1)
+        account = self._advance(boundary, seconds, now, iterations=passed + 1)
         self._sampler.begin_iteration(allocated)
         if self._forward.hooks.bare or self._signals.signal in (Boundary.FORWARD,
                                                                  Boundary.BACKWARD):
             # The next iteration is light with no hook, or with the anchors' hooks alone
             # (they end its iterations): pass some boundaries with a count.
-            self.skip = self._to_pass(each)
+            self.skip = self._to_pass(account, each)
         return census
 
     def _blocks_after_census(self) -> int | None:
@@ -194,10 +194,11 @@ class Boundaries:
         self._censuses_seen = taken
         return self._clock.python_blocks(self._sampler.own_blocks)
 
-    def _to_pass(self, each: float) -> int:
+    def _to_pass(self, account: Account, each: float) -> int:
         """How many of the next boundaries only count (:func:`~memsentry.record.policy.
-        passes`), ``each`` the loop's seconds per iteration."""
-        return passes(self._account, each=each, closing=self._close_cost,
+        passes`), from the ``account`` the closing left; ``each`` the loop's seconds per
+        iteration."""
+        return passes(account, each=each, closing=self._close_cost,
                       running=self._clock.index,
                       census_pending=self._censuses.pending is not None,
                       tuning=self._budget.tuning)
@@ -245,10 +246,11 @@ class Boundaries:
         return self._censuses.take_pending(**self._census_roots())
 
     def _advance(self, boundary: Boundary, seconds: float, now: float, *,
-                 iterations: int = 1) -> None:
+                 iterations: int = 1) -> Account:
         """Plan the census, bring the account and the window up to date, apply the policy's
         plan of the next iteration to the hooks, and begin it at ``now`` (``iterations``: the
-        iterations ending, the passed ones with this one)."""
+        iterations ending, the passed ones with this one). Returns the account the plan was
+        made from."""
         index = self._clock.index
         if self._holders and boundary != Boundary.EXIT:
             self._censuses.plan(index, due=self._census_wanted(index, iterations))
@@ -258,7 +260,6 @@ class Boundaries:
             account = self._budget.end_iteration(seconds, iterations, began=now)
         else:
             account = self._budget.account()
-        self._account = account  # nothing is charged before the light closing reads it
         signal = self._signal()
         plan = plan_next(account, self._coverage.current, signal,
                          index=index + 1, census_pending=self._censuses.pending is not None,
@@ -272,6 +273,7 @@ class Boundaries:
         # iterations (they are seen through the watched calls).
         self._outermost.thin = signal.step or signal.forward
         self._clock.advance(now)
+        return account
 
     def _census_wanted(self, index: int, iterations: int) -> bool:
         """Whether a census is due at the boundary that closes ``index`` (with the

@@ -174,7 +174,7 @@ def _where(error: BaseException, watch: FailureWatch, sampler: Sampler, calls: C
 
 
 def explain(error: BaseException, watch: FailureWatch, sampler: Sampler,
-            clock: IterationClock, name_of: Callable[[nn.Module], str | None] = lambda _: None
+            clock: IterationClock, name_of: Callable[[nn.Module], str | None]
             ) -> OutOfMemory | None:
     """What the tracked block's out-of-memory ``error`` ran into (``None`` when it is another
     error, or nothing was measured): where, the size asked for, the parts of memory then,
