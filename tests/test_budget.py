@@ -175,24 +175,26 @@ def test_the_budget_pays_for_a_sampled_iteration_only_when_it_can() -> None:
     assert budget.cost().sampled == 3 and budget.cost().iterations == 3 + light
 
 
-def test_the_untracked_time_before_is_credited_once() -> None:
-    # A program's start is part of its wall time: 5% of it (of 10 s at most) pays for the
-    # first censuses (measuring never spends it). A second tracker started right after the first
-    # ended finds almost no untracked time; one nested in a running tracker finds none.
-    wall = FakeClock()
-    untracked = Untracked(age=lambda: 3.0, clock=wall)  # the process started 3 s ago
+def test_the_time_the_program_ran_with_no_tracker_is_credited() -> None:
+    # A program's start is part of its wall time: the budget's share of it (of 10 s at most)
+    # pays for the first censuses (measuring never spends it). The time a tracker ran is not
+    # credited to the next one; one nested in a running tracker finds none.
+    age = FakeClock(start=3.0)  # the process started 3 s ago
+    untracked = Untracked(age=age, clock=age)
     first = Budget(0.05, untracked=untracked)
     first.open()
-    assert first.credit == pytest.approx(0.15)
+    assert first.credit == pytest.approx(0.15) and first.untracked == pytest.approx(3.0)
     nested = Budget(0.05, untracked=untracked)
     nested.open()
     assert nested.credit == 0.0
+    age.advance(2.0)  # the loop runs 2 s
     nested.close()
     first.close()
-    wall.advance(0.1)
+    age.advance(0.1)
     again = Budget(0.05, untracked=untracked)
     again.open()
-    assert again.credit == pytest.approx(0.005)  # 5% of the 0.1 s between the two
+    assert again.untracked == pytest.approx(3.1)  # the 2 s tracked are not counted
+    assert again.credit == pytest.approx(0.155)
     again.close()
     assert not untracked.running
     # watch()'s budget is 1% of the loop's time: its credit is 1% of the start, not 5%

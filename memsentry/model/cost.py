@@ -30,7 +30,9 @@ class Cost:
     (the others only at their boundaries); ``censuses_deferred`` the holder searches put off
     until the budget could pay for them. ``first_seconds`` is memsentry's own time inside the
     first iterations, which are measured whatever the budget holds, and
-    ``first_loop_seconds`` the loop's own time in them."""
+    ``first_loop_seconds`` the loop's own time in them. ``credit`` is what judging could spend
+    before the loop earned anything: the budget's share of the ``untracked_seconds`` the
+    program ran with no tracker before this one began."""
 
     budget: float | None
     loop_seconds: float
@@ -40,6 +42,8 @@ class Cost:
     censuses_deferred: int = 0
     first_seconds: float = 0.0
     first_loop_seconds: float = 0.0
+    credit: float = 0.0
+    untracked_seconds: float = 0.0
 
     @property
     def own_seconds(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 
 from memsentry.model import Boundary, IterationStats
 from memsentry.record.backward import BackwardTimer
-from memsentry.record.budget import ANALYSIS, BOUNDARIES, PARTS, WORKERS, Budget
+from memsentry.record.budget import ANALYSIS, BOUNDARIES, HOOKS, PARTS, WORKERS, Budget
 from memsentry.record.coverage import Coverage
 from memsentry.record.forward import ForwardRecorder
 from memsentry.record.growth import GrowthEvidence
@@ -70,21 +70,50 @@ class Boundaries:
         self._close_cost = 0.0  # seconds the last light iteration's closing took
         self.skip = 0  # boundaries still to pass with a count only (bare light iterations)
         self._passed = 0  # boundaries passed so since the last closed iteration
+        self._stepped = 0  # of them, ended by a step or a backward (no clock saw their cost)
         self._workers_read = reading_seconds()  # charged to the budget up to here
         self._now = budget.clock
         self.plan: IterationPlan | None = None  # the running iteration's, from the policy
         self._censuses_seen = 0  # censuses taken at the last light boundary
+        forward.on_passed = self._passed_unhooked
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
         """Whether the boundary ``event`` only counts an iteration: in a run of bare light
         iterations (no hook, nothing read), each but the last ends with a count, and the
         last closes them all (:meth:`close`)."""
+        if self._forward.hooks.counter.on:  # another signal: the counted calls first
+            self._forward.stop_counting()
         if self.skip and event is strongest:
             self.skip -= 1
             self._passed += 1
             self._clock.index += 1
+            if event is not Boundary.FORWARD:  # a forward's is clocked in its hook
+                self._stepped += 1
             return True
         return False
+
+    def pass_step(self) -> None:
+        """An optimizer step passed with a count, the short way (:meth:`passes` without the
+        checks the recorder made): at every step of a light stretch."""
+        self.skip -= 1
+        self._passed += 1
+        self._stepped += 1
+        self._clock.index += 1
+
+    def _charge_passed(self) -> None:
+        """What the steps passed since the last closing cost beyond any clock
+        (:mod:`memsentry.record.unseen`): inside the iteration that ends now."""
+        if self._stepped:
+            self._budget.charge(BOUNDARIES, self._stepped * self._budget.unseen.passed_step, 0)
+            self._stepped = 0
+
+    def _passed_unhooked(self, calls: int) -> None:
+        """``calls`` calls of the lean module were counted with no hook: each was a boundary
+        passed with a count."""
+        self.skip = max(0, self.skip - calls)
+        self._passed += calls
+        self._clock.index += calls
+        self._budget.charge(HOOKS, calls * self._budget.unseen.counted_call, 0)
 
     def end(self) -> None:
         """Tracking ends: the boundaries passed since the last closed iteration count as
@@ -92,6 +121,8 @@ class Boundaries:
         were passed (its row's index tells them, which no row would otherwise), when it ran
         module calls, when none could be seen (a bare light iteration hooks no module), or
         when no iteration ended at all."""
+        self._forward.stop_counting()
+        self._charge_passed()
         passed = self._passed
         if passed:
             self._budget.end_iteration(self._now() - self._clock.started, passed)
@@ -104,6 +135,7 @@ class Boundaries:
         """Close the running iteration; with ``merge``, together with the iterations weaker
         signals closed just before (they were parts of this one)."""
         began = self._now()
+        self._charge_passed()
         if boundary != Boundary.EXIT:
             mark_activity()  # an iteration of this thread's loop (see Owner.others)
         read = reading_seconds()  # the workers' readings ran in this iteration's time
@@ -180,8 +212,11 @@ class Boundaries:
         if self._forward.hooks.bare or self._signals.signal in (Boundary.FORWARD,
                                                                  Boundary.BACKWARD):
             # The next iteration is light with no hook, or with the anchors' hooks alone
-            # (they end its iterations): pass some boundaries with a count.
+            # (they end its iterations): pass some boundaries with a count; where the lean
+            # module's calls end them, with no hook (its call that began here counts them).
             self.skip = self._to_pass(account, each)
+            lean = self.plan is not None and self.plan.hooks is HookState.LEAN
+            self._forward.pass_after = self.skip if lean else 0
         return census
 
     def _blocks_after_census(self) -> int | None:
@@ -267,6 +302,7 @@ class Boundaries:
                          tuning=self._budget.tuning)
         self.plan = plan
         self._forward.unhook_after = False
+        self._forward.pass_after = 0
         lean = self._signals.first() if plan.hooks is HookState.LEAN else None
         self._forward.hooks.follow(bare=plan.hooks is HookState.BARE, lean=lean)
         # Light calls are watched thinned out unless the ends of backward passes close the

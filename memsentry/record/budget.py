@@ -6,10 +6,10 @@ adds to a call for having hooks at all), the saved-tensor and backward hooks, th
 iteration boundaries, reading the four parts, the holder searches (censuses) and running the
 rules while the loop runs. Measuring (hooks, boundaries, parts) and judging (censuses,
 analysis) are paid from one account that earns ``share`` of the loop's own time at every
-iteration; judging also has a credit for the program's life before tracking (a program's
-start, Python and importing torch, is part of its wall time: 1 to 3 s here), so that the
-first censuses of a short run are paid for at once and the whole program stays within 1.1
-times its time without memsentry, however many trackers it runs.
+iteration. Judging also begins with a credit: the same share of the time the program ran with
+no tracker (a program's start, Python and importing torch, is part of its wall time: 1 to 3 s
+here; 10 s of it at most), so that the first censuses of a run are paid for at once. The
+report says what the credit was and what it paid.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from memsentry.record.policy import (
     prices_after,
     shortfall,
 )
+from memsentry.record.unseen import CALL_SECONDS, Unseen, call_seconds
 
 #: The parts of the ledger.
 HOOKS = "module hooks"
@@ -50,28 +51,29 @@ JUDGING = (CENSUSES, ANALYSIS)
 
 
 class Untracked:
-    """When the process last ran untracked: since its start (``age``), or since the last
-    tracking ended (on ``clock``, the wall clock of the process); while any tracker runs, it
-    does not."""
+    """How long the process ran with no tracker: its life (``age``) less the time some tracker
+    ran (on ``clock``, the wall clock of the process)."""
 
     def __init__(self, age: Clock | None = None, clock: Clock = time.monotonic) -> None:
         self.running = 0
-        self.since: float | None = None  # the clock's reading when tracking last ended
+        self.tracked = 0.0  # seconds some tracker ran, before the running ones began
+        self._began = 0.0  # the clock's reading when the running trackers began
         self._age = age if age is not None else process_age
         self._clock = clock
 
     def begin(self) -> float:
-        """A tracker begins: the seconds the process ran untracked until now."""
-        now = self._clock()
+        """A tracker begins: the seconds the process ran with no tracker until now (none for
+        a tracker nested in another: the outer one's loop runs)."""
         self.running += 1
         if self.running > 1:
             return 0.0
-        return now - self.since if self.since is not None else self._age()
+        self._began = self._clock()
+        return max(0.0, self._age() - self.tracked)
 
     def end(self) -> None:
+        if self.running == 1:
+            self.tracked += max(0.0, self._clock() - self._began)
         self.running = max(0, self.running - 1)
-        if not self.running:
-            self.since = self._clock()
 
 
 def process_age() -> float:
@@ -113,13 +115,18 @@ class Budget:
         self._untracked = untracked if untracked is not None else UNTRACKED
         self.tuning = tuning
         self.clock = clock
+        # What PyTorch's calls into memsentry cost beyond its clocked work, on this machine
+        # (a test's clock has none to calibrate on).
+        self.unseen = Unseen.of(call_seconds() if clock is time.perf_counter else CALL_SECONDS)
         self.light = False
         self.loop = 0.0  # the loop's own seconds so far
         self._given = credit  # the untracked seconds to credit (None: as the process ran)
         self.credit = 0.0  # seconds judging may spend before the loop earned any
+        self.untracked = 0.0  # the untracked seconds it was given for
         self.reserved = 0.0  # put aside for a census that waits for the account
         if credit is not None:
             self.credit = credit_for(credit, share, tuning)
+            self.untracked = credit
         self._open = False
         self._seconds = dict.fromkeys(LEDGER, 0.0)
         self._events = dict.fromkeys(LEDGER, 0)
@@ -142,6 +149,7 @@ class Budget:
             untracked = self._untracked.begin()
             if self._given is None:
                 self.credit = credit_for(untracked, self.share, self.tuning)
+                self.untracked = untracked
             self._began = self.clock()
 
     def close(self) -> None:
@@ -253,7 +261,8 @@ class Budget:
                         for part in LEDGER),
             iterations=self.iterations, sampled=self.sampled,
             censuses_deferred=self.deferred, first_seconds=self._first[0],
-            first_loop_seconds=self._first[1],
+            first_loop_seconds=self._first[1], credit=self.credit,
+            untracked_seconds=self.untracked,
         )
 
 
@@ -279,6 +288,9 @@ def budget_notes(cost: Cost, tuning: Tuning = DEFAULT) -> list[str]:
             "its hooks come on top). Every layer is measured once in them; the other calls "
             f"stop being measured once measuring took {tuning.first_share:.0%} of the loop's time. "
             "That is paid once: a longer run spreads it.")
+    credit = credit_note(cost, tuning)
+    if credit:
+        notes.append(credit)
     if cost.censuses_deferred:
         notes.append(
             f"{cost.censuses_deferred:,} holder search(es) waited until the budget could pay "
@@ -286,3 +298,18 @@ def budget_notes(cost: Cost, tuning: Tuning = DEFAULT) -> list[str]:
             "later than it would be without a budget (track(overhead=None) takes each when "
             "due).")
     return notes
+
+
+def credit_note(cost: Cost, tuning: Tuning = DEFAULT) -> str | None:
+    """What the report says of the judging credit, when holder searches spent from it."""
+    judged = cost.part(CENSUSES).seconds + cost.part(ANALYSIS).seconds
+    if cost.budget is None or cost.credit <= 0 or judged <= 0:
+        return None
+    paid = min(judged, cost.credit)
+    counted = min(cost.untracked_seconds, tuning.startup_credit)
+    return (
+        f"memsentry's holder searches began on a credit of {cost.credit * 1e3:.1f} ms: "
+        f"{cost.credit / counted:.0%} (the budget's share) of the {counted:.1f} s the program "
+        f"ran with no tracker before ({tuning.startup_credit:.0f} s at most are counted); "
+        f"they spent {paid * 1e3:.1f} ms of it and {max(0.0, judged - paid) * 1e3:.1f} ms "
+        "of what the loop's time earned.")

@@ -112,7 +112,7 @@ class Coverage:
         """Iteration ``index`` ended after ``seconds``; ``layers`` layers are known now.
         The policy sets the window of the next iteration (:func:`~memsentry.record.policy.
         next_window`); this keeps what the notes say of it."""
-        dispatched = self.budget.tuning.dispatch * self.calls
+        dispatched = self.budget.unseen.hooked_call * self.calls
         self.budget.charge(HOOKS, dispatched, self.calls)
         was = self.current
         if self.calls and not was.full and not self.budget.light:

@@ -142,6 +142,11 @@ class ForwardRecorder:
         # Set when the census that kept a light iteration's hooks on was taken at its first
         # call: the hooks go bare as that call ends (a boundary clears it).
         self.unhook_after = False
+        # Set at a light closing that passes the next boundaries with a count, in a loop whose
+        # iterations end at the lean module's next call: as that call ends, a counter takes
+        # the place of its hooks for that many calls (memsentry.record.counted).
+        self.pass_after = 0
+        self.on_passed: Callable[[int], None] = lambda calls: None
         self._invisible = False  # whether memsentry.record.invisible is held on for this one
 
     def put_on(self, model: nn.Module | None, frame: types.FrameType | None) -> None:
@@ -365,13 +370,29 @@ class ForwardRecorder:
         bare where the census that kept them on was taken at this call, else (with autograd
         on) its graph is watched, since the end of its backward may close the iteration."""
         record.calls += 1
+        passes, self.pass_after = self.pass_after, 0
         if self.unhook_after:
             self.unhook_after = False
             self.hooks.follow(bare=True)
         elif torch.is_grad_enabled():
             self._outermost.watch_light(record.name, not module.training, tensors_in(output),
                                     self._entry(module))
+        elif passes and not self.compiled:  # no graph to watch: its next calls are counted
+            self.hooks.count_calls(module, passes, self._owner.ident or 0, self.stop_counting)
         self.coverage.counted(started)
+
+    def stop_counting(self) -> None:
+        """The calls counted with no hook (:meth:`ModuleHooks.count_calls`) are passed
+        boundaries: their layer counts them, ``on_passed`` the iterations; the hooks go back
+        on."""
+        counter = self.hooks.counter
+        module = counter.module
+        calls = self.hooks.stop_counting()
+        record = self._registry.record_of(module) if module is not None else None
+        if record is not None:
+            record.calls += calls
+        if calls:
+            self.on_passed(calls)
 
     def _entry(self, module: nn.Module) -> Callable[[], tuple[str | None, Location | None]]:
         """What an outermost call of ``module`` was entered through, asked when its graph is

@@ -12,7 +12,9 @@ A module with no hook costs the loop nothing, so the hooks follow what is measur
   hooks come off and that module alone is hooked);
 - in a *bare* light iteration (the loop's iterations end at optimizer steps or ``t.step()``,
   and no census waits for the next iteration's first call), nothing: the boundaries alone
-  keep the count.
+  keep the count;
+- while a lean stretch passes boundaries with a count only, nothing either: a counter in
+  place of the lean module's hooks counts its calls (:mod:`memsentry.record.counted`).
 
 Hooks are only ever moved at an iteration boundary with no forward running, so no hook is
 taken away from a call between its pre and its post hook.
@@ -32,6 +34,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from memsentry.record.counted import CallCounter
 from memsentry.record.coverage import Coverage
 from memsentry.record.invisible import disown, own
 from memsentry.record.layers import LayerRegistry, fully_sharded
@@ -62,6 +65,7 @@ class ModuleHooks:
         self.bare = False
         self._lean: weakref.ref[nn.Module] | None = None  # the one module hooked when lean
         self._lean_handles: tuple[RemovableHandle, RemovableHandle] | None = None
+        self.counter = CallCounter()  # counts the lean module's calls in place of its hooks
 
     # -- putting on and taking off -------------------------------------------------------
     def hook_model(self, model: nn.Module) -> None:
@@ -108,10 +112,34 @@ class ModuleHooks:
                 *self._fixed, *(self._lean_handles or ())]
 
     def remove_all(self) -> None:
+        self.counter.take_off()
         for handle in self.handles():
             disown(handle)
         self._modules.clear()
         self._global, self._fixed, self._lean_handles = [], [], None
+
+    # -- counting in place of the lean hooks ------------------------------------------------
+    def count_calls(self, module: nn.Module, calls: int, ident: int,
+                    due: Callable[[], None]) -> bool:
+        """As the lean ``module``'s call ends: its hooks come off and the counter counts its
+        next ``calls`` calls from thread ``ident``, then calls ``due()``. False (the hooks
+        stay) where ``module`` is not the lean one or cannot take the counter."""
+        lean = self._lean() if self._lean is not None else None
+        if self.bare or lean is not module:
+            return False
+        if not self.counter.put_on(module, calls, ident, due):
+            return False
+        self._follow_anchors()
+        return True
+
+    def stop_counting(self) -> int:
+        """The counter comes off and the lean module's hooks go back on; the calls it
+        counted (0 when it was off)."""
+        if not self.counter.on:
+            return 0
+        calls = self.counter.take_off()
+        self._follow_anchors()
+        return calls
 
     # -- following the budget ------------------------------------------------------------
     def follow(self, *, bare: bool, lean: nn.Module | None = None) -> None:
@@ -157,28 +185,31 @@ class ModuleHooks:
             self._hook(module)
 
     def _follow_anchors(self) -> None:
-        """The anchors' hooks on, but where bare, or where lean for all but the lean one."""
+        """The anchors' hooks on, but where bare or counted, or where lean for all but the
+        lean one."""
         lean = self._lean() if self._lean is not None else None
+        off = self.bare or self.counter.on
         if not self._model:
-            self._follow_global(lean)
+            self._follow_global(lean, off)
             return
         modules = self._registry.by_index()
         for index in self.anchors:
             module = modules.get(index)
             if module is not None:
-                self._put(module, index, not self.bare and (lean is None or module is lean))
+                self._put(module, index, not off and (lean is None or module is lean))
 
-    def _follow_global(self, lean: nn.Module | None) -> None:
-        """Without a model: the global hooks, or when lean that one module's."""
-        if self._lean_handles is not None and (self.bare or lean is None):
+    def _follow_global(self, lean: nn.Module | None, off: bool) -> None:
+        """Without a model: the global hooks, or when lean that one module's; none when
+        ``off``."""
+        if self._lean_handles is not None and (off or lean is None):
             for handle in self._lean_handles:
                 disown(handle)
             self._lean_handles = None
-        if not self.bare and lean is None:
+        if not off and lean is None:
             self.hook_global()
             return
         self._unhook_global()
-        if lean is not None and self._lean_handles is None:
+        if lean is not None and not off and self._lean_handles is None:
             self._lean_handles = self._handles(lean)
 
     def _unhook_global(self) -> None:

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.autograd
 
-from memsentry.record.calls import in_backward
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+_compiling = torch.compiler.is_compiling
 
-#: The trackers listening now, and torch's function with the wrapper put in its place (one
-#: wrapper however many trackers run, so that nesting never chains wrappers).
-_listeners: list[PlainPasses] = []
+#: The trackers listening now (a tuple, replaced whole: the wrapper reads it at every
+#: backward), and torch's function with the wrapper put in its place (one wrapper however many
+#: trackers run, so that nesting never chains wrappers).
+_listeners: tuple[PlainPasses, ...] = ()
 _installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 _lock = threading.Lock()
 
@@ -30,10 +32,11 @@ _lock = threading.Lock()
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        nested = in_backward()  # reentrant checkpointing's backward inside the pass
+        nested = _graph_task() != -1  # reentrant checkpointing's backward inside the pass
         result = original(tensors, *args, **kwargs)
-        if _listeners and not nested and not torch.compiler.is_compiling():
-            for listener in list(_listeners):
+        listeners = _listeners
+        if listeners and not nested and not _compiling():
+            for listener in listeners:
                 try:
                     listener.ended(tensors)
                 except Exception:  # measuring never breaks the user's backward
@@ -52,7 +55,7 @@ class PlainPasses:
         self.ended = ended
 
     def install(self) -> None:
-        global _installed
+        global _installed, _listeners
         with _lock:  # trackers of several threads start and stop at any time
             if self in _listeners:
                 return
@@ -60,13 +63,12 @@ class PlainPasses:
                 original = torch.autograd.backward
                 _installed = (original, _wrap(original))
                 torch.autograd.backward = _installed[1]
-            _listeners.append(self)
+            _listeners = (*_listeners, self)
 
     def remove(self) -> None:
-        global _installed
+        global _installed, _listeners
         with _lock:
-            if self in _listeners:
-                _listeners.remove(self)
+            _listeners = tuple(known for known in _listeners if known is not self)
             if not _listeners and _installed is not None:
                 original, wrapper = _installed
                 if torch.autograd.backward is wrapper:  # else replaced since: leave it

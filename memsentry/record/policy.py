@@ -41,16 +41,16 @@ class Tuning:
       what they cost.
     - ``sampled_decay``: how the price of a sampled iteration falls back after a dear one, at
       each sampled iteration that cost less.
-    - ``dispatch``: what PyTorch adds to a module call for having a pre and a post hook that
-      return at once (5.9 us, measured on this project's CI machine), charged per call.
     - ``census_guess``: what a census costs until one was clocked (5 to 30 ms here).
     - ``startup_credit``, ``startup_share``: the seconds of the program's life before tracking
-      credited to judging, at most, and the share of them it may spend.
+      credited to judging, at most, and the share of them it may spend (never more than the
+      tracker's own share).
     - ``read_share``: the share of the budget that reading light iterations' boundaries takes.
     - ``max_passed``: boundaries passed with a count only, in a row, at most.
     - ``first_census``: the iteration of the first census (after the warm-up the rules skip).
     - ``always_taken``: censuses taken when due whatever the account holds (iterations 2, 3,
-      4, 6, 10, 18 and 34): they decide a short run's trends.
+      4, 6, 10, 18 and 34): they decide a short run's trends, and a rule that saw fewer would
+      take a list bounded by hand for a leak (three points rise while it fills).
     """
 
     sampled_first: int = 3
@@ -58,7 +58,6 @@ class Tuning:
     floor: float = 2e-3
     first_noted: float = 0.1
     sampled_decay: float = 0.8
-    dispatch: float = 6e-6
     census_guess: float = 0.02
     startup_credit: float = 10.0
     startup_share: float = 0.05
@@ -246,7 +245,7 @@ def next_window(window: Window, *, layers: int, ended: Ended, share: float | Non
     """The window of the iteration after ``ended``, ``layers`` layers known now: sized so
     that measuring stays within ``share`` of the loop's time (at most doubling at once) and
     moved past the ended one's layers. ``dispatched``: what torch's dispatch to the hooks
-    added (``own`` holds the hooks' clocked time)."""
+    added (``own`` holds the hooks' clocked time; :mod:`memsentry.record.unseen`)."""
     kept = replace(window, layers=layers)
     if not judges_window(ended, layers=layers, share=share, tuning=tuning):
         return kept

@@ -8,6 +8,7 @@ Nothing here keeps a module or a tensor alive, and nothing changes what the mode
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import types
 import weakref
@@ -53,6 +54,7 @@ from memsentry.record.threads import Owner, forget_steps, listen_to_steps, step_
 from memsentry.record.timeline import IterationClock, Timeline
 
 Counters = tuple[dict[str, Any] | None, dict[str, Any] | None, tuple[DeviceMemory, ...]]
+_get_ident = threading.get_ident  # bound once: read at every optimizer step
 
 
 def read_counters(backend: MemoryBackend) -> Counters:
@@ -178,6 +180,9 @@ class Recorder:
         # boundary (an optimizer step, t.step(), an outermost forward's start).
         self.listener: Callable[[str], None] | None = None
         self.raise_at_boundary: BaseException | None = None
+        # The id of the loop's optimizer while its steps end the iterations and do not nest:
+        # its steps in a run of boundaries passed with a count take the short way.
+        self._stepping = 0
         self._censuses.on_taken = self._census_taken
         self.unclocked = self._boundaries.unclocked  # the alarm's work: not the loop's time
         self._final: tuple[int, int | None, Counters] | None = None
@@ -282,11 +287,23 @@ class Recorder:
 
     # -- iterations ------------------------------------------------------------------------
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._boundaries.skip and id(optimizer) == self._stepping and self.active \
+                and self.raise_at_boundary is None and _get_ident() == self._owner.ident:
+            self._boundaries.pass_step()  # the short way: at every step of a light stretch
+            return
+        self._stepped_long_way(optimizer)
+
+    def _stepped_long_way(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step of ``optimizer`` that may end an iteration: the loop's optimizer's steps
+        take the short way from here while their boundaries are passed with a count."""
+        self._stepping = 0
         if not self.active or not self._owner.mine() or nested_step(optimizer):
             return  # another thread's optimizer is another loop's
         self._parts.add_optimizer(optimizer)
         if self._signals.primary(optimizer):  # not a second one (GAN, multi-task)
             self._signal(Boundary.OPTIMIZER)
+            if self._signals.signal is Boundary.OPTIMIZER and not _steps_nest(type(optimizer)):
+                self._stepping = id(optimizer)
 
     def _backward_ended(self) -> None:
         if self.active:
@@ -294,7 +311,11 @@ class Recorder:
             self._signal(Boundary.BACKWARD)
 
     def _plain_backward(self, tensors: Any) -> None:
-        """A backward pass ended: stale calls leave the stack; without modules, an iteration."""
+        """A backward pass ended: stale calls leave the stack; without modules, an iteration.
+        In a run of steps passed with a count (no hook on, the optimizer's steps end the
+        iterations), it is nothing: the short way."""
+        if self._stepping and self._boundaries.skip:
+            return
         if not self.active or not self._owner.mine():
             return
         self._forward.settle_stack()
@@ -330,6 +351,7 @@ class Recorder:
     def census(self) -> None:
         """A census now, as of the last boundary; its time is not the iteration's."""
         if self.active and self.options.holders and self._sampler.backend is not None:
+            self._forward.stop_counting()  # the calls counted so far are iterations
             roots = self._census_roots()
             self._clock.started += self._censuses.take_now(self._clock.index - 1, **roots)
 
@@ -340,6 +362,8 @@ class Recorder:
         self._signal(Boundary.STEP)
 
     def _signal(self, event: Boundary) -> None:
+        if event is Boundary.STEP:
+            self._stepping = 0  # t.step() becomes the signal: steps go the long way
         if self._sampler.backend is None:
             return
         if not self._boundaries.passes(event, self._signals.signal):
