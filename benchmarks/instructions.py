@@ -12,9 +12,11 @@ ctypes) turns it on and dumps the counts at four points:
 * ``stop``: the tool's stop (``__exit__``).
 
 Ratios are against the same loop untracked in the same layout: ``whole`` is start + every
-iteration + stop over the untracked iterations; ``first5`` and ``rest`` the iterations alone.
-For memsentry the report's ledger (``report.cost.share``: memsentry's clocked seconds over the
-loop's own) is printed beside the ratio it should agree with. Python's hash seed, torch's
+iteration + stop over the untracked iterations; ``iterations`` every iteration alone, the ratio
+the ledger should agree with; ``first5`` and ``rest`` the first five and the others. For
+memsentry the report's ledger (``report.cost.share``: memsentry's clocked seconds over the
+loop's own) is printed as kept under callgrind and, in brackets, as kept by the same block run
+natively right after (a second under callgrind is not the CPU's). Python's hash seed, torch's
 threads and OpenBLAS's threads are fixed, so two runs of a child count the same to within a
 few hundred thousand instructions.
 
@@ -312,32 +314,42 @@ def counts(directory: Path) -> dict[str, int]:
     return found
 
 
+def _facts(stdout: str) -> dict[str, Any]:
+    for line in stdout.splitlines():
+        if line.startswith("INSTRUCTIONS-FACTS "):
+            return dict(json.loads(line.split(" ", 1)[1]))
+    return {}
+
+
 def run_one(loop: str, tool: str, iterations: int, library: Path) -> dict[str, Any]:
+    """One block under callgrind (its phases' instructions and the ledger it kept there), then
+    the same block run natively for the ledger a user's run keeps: under callgrind a second
+    lasts some 50 times longer for the CPU's work and not for the system's, so the clocked
+    shares are not the machine's."""
+    child = [sys.executable, str(Path(__file__).resolve()), "--child", loop, tool,
+             str(iterations), str(library)]
+    env = {**os.environ, **ENV}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                   f"--callgrind-out-file={directory / 'cg.out'}",
-                   sys.executable, str(Path(__file__).resolve()), "--child",
-                   loop, tool, str(iterations), str(library)]
-        env = {**os.environ, **ENV}
+                   f"--callgrind-out-file={directory / 'cg.out'}", *child]
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         phases = counts(directory)
-    facts: dict[str, Any] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("INSTRUCTIONS-FACTS "):
-            facts = json.loads(line.split(" ", 1)[1])
     if done.returncode or set(phases) != set(PHASES):
         raise RuntimeError(f"{loop}/{tool}/{iterations} failed (exit {done.returncode}):\n"
                            f"{done.stderr[-3000:]}")
+    native = subprocess.run(child, capture_output=True, text=True, env=env, check=False)
     return {"loop": loop, "tool": tool, "iterations": iterations, "phases": phases,
-            "ledger": facts}
+            "ledger": _facts(done.stdout), "ledger_native": _facts(native.stdout)}
 
 
 def ratios(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     mine, plain = run["phases"], base["phases"]
     loop_plain = plain["first5"] + plain["rest"]
     whole = sum(mine[p] for p in PHASES)
+    loop_mine = mine["first5"] + mine["rest"]
     return {"whole": whole / (sum(plain[p] for p in PHASES) or 1),
+            "iterations": loop_mine / loop_plain,
             "first5": mine["first5"] / plain["first5"],
             "rest": mine["rest"] / plain["rest"] if plain["rest"] else float("nan"),
             "start_per_loop": mine["start"] / loop_plain,
@@ -345,21 +357,29 @@ def ratios(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| loop | iterations | tool | whole | first 5 | after the 5th | start | stop "
-             "| ledger's share |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| loop | iterations | tool | whole | its iterations | first 5 | after the 5th "
+             "| start | stop | ledger's share (native) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     bases = {(r["loop"], r["iterations"]): r for r in runs if r["tool"] == "untracked"}
     for run in runs:
         base = bases.get((run["loop"], run["iterations"]))
         if base is None or run is base:
             continue
         r = ratios(run, base)
-        share = run["ledger"].get("share")
-        ledger = f"{share:.1%}" if isinstance(share, float) else ""
         lines.append(
             f"| {run['loop']} | {run['iterations']:,} | {run['tool']} | {r['whole']:.3f}x "
-            f"| {r['first5']:.2f}x | {r['rest']:.3f}x | {r['start_per_loop']:.1%} "
-            f"| {r['stop_per_loop']:.1%} | {ledger} |")
+            f"| {r['iterations']:.3f}x | {r['first5']:.2f}x | {r['rest']:.3f}x "
+            f"| {r['start_per_loop']:.1%} | {r['stop_per_loop']:.1%} | {_ledger_cell(run)} |")
     return "\n".join(lines)
+
+
+def _ledger_cell(run: dict[str, Any]) -> str:
+    """The ledger's share under callgrind, and natively where the run has it."""
+    shares = [run.get(key, {}).get("share") for key in ("ledger", "ledger_native")]
+    cells = [f"{share:.1%}" for share in shares if isinstance(share, float)]
+    if len(cells) == 2:
+        return f"{cells[0]} ({cells[1]})"
+    return cells[0] if cells else ""
 
 
 def _git_head() -> str:
