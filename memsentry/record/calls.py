@@ -19,13 +19,13 @@ def _no_graph_task() -> int:
 
 
 #: The id of the backward pass running in this thread, -1 outside one (torch >= 2.1 has it).
-_graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
+graph_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
 
 
 def in_backward() -> bool:
     """Whether this thread runs inside a backward pass now (autograd's engine runs the hooks
     and, under activation checkpointing, the recomputed forwards and nested backward calls)."""
-    return _graph_task() != -1
+    return graph_task() != -1
 
 
 class PassEnd:

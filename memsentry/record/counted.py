@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from memsentry.record.calls import graph_task
+
 # Read once: the counter runs at every call of the model. Dynamo folds
 # ``is_dynamo_compiling()`` to True where it traces, so it never traces past the first test.
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 _tracing = torch._C._get_tracing_state
-_graph_task = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 ATTRIBUTE = "_compiled_call_impl"
 
@@ -68,7 +69,7 @@ class CallCounter:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             if _dynamo_compiling() or _get_ident() != ident or _tracing() is not None \
-                    or _graph_task() != -1:
+                    or graph_task() != -1:
                 return impl(*args, **kwargs)
             state.counted += 1
             if state.counted < calls:

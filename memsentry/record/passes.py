@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.autograd
 
-_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+from memsentry.record.calls import graph_task
+
 _compiling = torch.compiler.is_compiling
 
 #: The trackers listening now (a tuple, replaced whole: the wrapper reads it at every
@@ -32,7 +33,7 @@ _lock = threading.Lock()
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        nested = _graph_task() != -1  # reentrant checkpointing's backward inside the pass
+        nested = graph_task() != -1  # reentrant checkpointing's backward inside the pass
         result = original(tensors, *args, **kwargs)
         listeners = _listeners
         if listeners and not nested and not _compiling():
