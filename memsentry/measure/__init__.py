@@ -10,7 +10,7 @@ import torch
 
 from memsentry.measure.accelerator import AcceleratorBackend
 from memsentry.measure.base import MemoryBackend
-from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend
+from memsentry.measure.cpu import MALLINFO2_UNAVAILABLE, MallinfoBackend, heap_in_use
 from memsentry.measure.cuda import CudaBackend, read_pinned
 from memsentry.measure.devices import (
     DEDICATED_DEVICE_TYPES,
@@ -36,6 +36,7 @@ __all__ = [
     "StorageBackend",
     "StorageCounter",
     "device_of_module",
+    "heap_in_use",
     "make_backend",
     "nvml_query",
     "parse_device",

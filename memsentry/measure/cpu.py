@@ -52,6 +52,15 @@ def _load_mallinfo2() -> tuple[Any, str | None]:
 _MALLINFO2, MALLINFO2_UNAVAILABLE = _load_mallinfo2()
 
 
+def heap_in_use() -> int | None:
+    """Bytes of the C heap in use now (what :class:`MallinfoBackend` reads), or ``None``
+    where glibc's ``mallinfo2()`` is not available."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
 def physical_memory() -> int | None:
     """Total physical RAM in bytes, or ``None`` where the system does not say."""
     try:

@@ -114,7 +114,10 @@ class Census:
     intervals, within a time budget. ``complete`` is false when the budget ran out before every
     holder was found; ``graphs_complete`` is false when the autograd graphs behind the holders
     were too large to walk in their share of it (their node and saved-byte figures are then
-    lower bounds, the holders' own figures are whole)."""
+    lower bounds, the holders' own figures are whole). ``carried`` names the census this one
+    repeats when none was taken: at its boundary memory stood where that census's stood (within
+    a boundary's jitter) and no hook was added or removed, so its holders are those of
+    ``carried`` and its ``garbage`` is ``None`` (no collection ran)."""
 
     iteration: int
     seconds: float
@@ -124,6 +127,7 @@ class Census:
     hooks: tuple[HookStats, ...] = ()
     garbage: GarbageStats | None = None
     graphs_complete: bool = True
+    carried: int | None = None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,17 @@ class Tuning:
     - ``always_taken``: censuses taken when due whatever the account holds (iterations 2, 3,
       4, 6, 10, 18 and 34): they decide a short run's trends, and a rule that saw fewer would
       take a list bounded by hand for a leak (three points rise while it fills).
+    - ``still_bytes``: how far glibc's in-use heap count may move between two censuses of
+      a loop that keeps nothing and still count as standing: measured here, a training step
+      of a small model moves it by 0 to 96 bytes from one iteration to the next, while one
+      tensor kept costs 360 bytes and more (its ``TensorImpl``, its storage, its data). Half
+      of that is the resolution: a tensor kept while 240 bytes or more were freed elsewhere
+      can pass unseen until the next census taken.
+    - ``carry_gap``: iterations since the census taken before a census may be carried in
+      its place: a tensor kept every iteration has then moved the heap by 2.9 KB at least,
+      beyond the steps of 100 bytes to 1.1 KB seen where something else is freed or a cache
+      grows once (one such step can hide a tensor: a list that gained one in four iterations
+      was carried with a gap of 4).
     """
 
     sampled_first: int = 3
@@ -65,6 +76,8 @@ class Tuning:
     max_passed: int = 256
     first_census: int = 2
     always_taken: int = 7
+    still_bytes: int = 128
+    carry_gap: int = 8
 
 
 #: The tuning memsentry runs with.
@@ -381,6 +394,39 @@ def census_step(state: CensusState, account: Account, *, index: int, due: bool,
     if state.wanted and state.pending is None and affordable(state, account, tuning):
         state = replace(state, pending=index, wanted=False)
     return state
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What a census's boundary read, to tell whether a later one would find the same: the
+    boundary's ``iteration``, ``allocated`` (the backend's figure, memsentry's own left out),
+    ``heap`` (glibc's in-use count, the same way; ``None`` when the backend counts the heap
+    itself or it cannot be read) and the user's hooks per module
+    (:func:`~memsentry.census.hooks.hook_counts`)."""
+
+    iteration: int
+    allocated: int
+    heap: int | None
+    hooks: tuple[tuple[str | None, int], ...]
+
+
+def stands(then: Standing | None, now: Standing, *, heap_backend: bool,
+           tuning: Tuning = DEFAULT) -> bool:
+    """Whether the census read at ``then`` still stands at ``now``, so that none need be
+    taken: ``carry_gap`` iterations or more apart, no hook was added or removed, and memory
+    moved no more than a boundary's jitter (``still_bytes`` where the figure is the heap's,
+    ``heap_backend`` for the backend's; none where it counts tensors). A tensor kept or
+    dropped since moves them further: every tensor is a C allocation of its ``TensorImpl``
+    whatever its device."""
+    if then is None or now.iteration - then.iteration < tuning.carry_gap \
+            or now.hooks != then.hooks:
+        return False
+    slack = tuning.still_bytes
+    if abs(now.allocated - then.allocated) > (slack if heap_backend else 0):
+        return False
+    if now.heap is None or then.heap is None:
+        return now.heap is None and then.heap is None
+    return abs(now.heap - then.heap) <= slack
 
 
 def census_in(index: int, iterations: int, tuning: Tuning = DEFAULT) -> bool:

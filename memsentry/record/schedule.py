@@ -8,16 +8,19 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from memsentry.census import garbage_census, take_census
+from memsentry.census.hooks import hook_counts
 from memsentry.census.take import GRAPH_SHARE, Named
-from memsentry.model import Census
+from memsentry.measure import heap_in_use
+from memsentry.model import Census, Measured
 from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
-from memsentry.record.policy import CensusState, census_step
+from memsentry.record.policy import CensusState, Standing, census_step, stands
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
 
@@ -48,6 +51,10 @@ class CensusSchedule:
         self._collecting = False  # the census's own collections are not the interpreter's
         self.pending: int | None = None  # a census due, to be taken when the next iteration
         # begins: after the code that follows the boundary (clearing lists, del) has run
+        self._basis: Standing | None = None  # what the last census taken saw (:meth:`_standing`)
+        self._records = 0  # the backend's memory the censuses' records take
+        self._probe = False  # the pending census waits for the account: only carried, if at all
+        self._heap_records = 0  # the same in the C heap
 
     def gc_event(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
@@ -70,9 +77,9 @@ class CensusSchedule:
             gc.callbacks.remove(self.gc_event)
 
     def take(self, iteration: int, *, model: nn.Module | None, own_hooks: set[int],
-             skip: set[int], named: Sequence[Named] = ()) -> None:
+             skip: set[int], named: Sequence[Named] = ()) -> bool:
         """One census now, labelled with the ``iteration`` whose boundary it judges; a failure
-        becomes a note, never the user's exception."""
+        becomes a note, never the user's exception. Returns whether it was taken."""
         backend = self._sampler.backend
         assert backend is not None
         collections, freed = self._full_collections, self._full_freed
@@ -85,6 +92,8 @@ class CensusSchedule:
             if garbage.tensors > 0 and not self._cycles_seen:
                 self._cycles_seen = True
                 self.watch_collections()
+            collected, heap_collected = backend.allocated(), heap_in_use()
+            basis = self._standing(iteration, collected, heap_collected, own_hooks)
             # The walk's short-lived records would start collections of the oldest
             # generation, which in a process of millions of objects take longer than the
             # walk itself (0.17 s of a 0.5 s budget beside 3 million tuples).
@@ -106,13 +115,47 @@ class CensusSchedule:
                 f"The holder search at iteration {iteration} failed "
                 f"({type(exc).__name__}: {exc}); please report this to memsentry."
             )
-            return
+            return False
         finally:
             self._collecting = False
         self.censuses.append(census)
         self._sampler.own += backend.allocated() - before
         # Python's blocks too: the census's records are not the program's small objects.
         self._sampler.own_blocks += sys.getallocatedblocks() - blocks
+        self._basis = basis
+        self._records += backend.allocated() - collected
+        after = heap_in_use()
+        if heap_collected is not None and after is not None:
+            self._heap_records += after - heap_collected
+        return True
+
+    def _standing(self, iteration: int, allocated: int, heap: int | None,
+                  own_hooks: set[int]) -> Standing:
+        """What a census at ``iteration`` sees, to compare with another: the backend's
+        ``allocated`` and the C ``heap`` read as it begins (after its collection, for one
+        taken), less what the censuses' records take, and the user's hooks."""
+        backend = self._sampler.backend
+        if backend is None or backend.measured is Measured.HEAP:
+            heap = None  # the backend's figure is the heap's
+        return Standing(iteration, allocated - self._records,
+                        None if heap is None else heap - self._heap_records,
+                        hook_counts(self._registry.modules(), own_hooks))
+
+    def _carried(self, iteration: int, own_hooks: set[int]) -> bool:
+        """Whether the last census taken stands for the one of ``iteration``; then it is
+        recorded again as its copy."""
+        backend = self._sampler.backend
+        if self._basis is None or backend is None:
+            return False
+        now = self._standing(iteration, backend.allocated(), heap_in_use(), own_hooks)
+        if not stands(self._basis, now, heap_backend=backend.measured is Measured.HEAP,
+                      tuning=self.ledger.tuning):
+            return False
+        last = self.censuses[-1]
+        origin = last.iteration if last.carried is None else last.carried
+        self.censuses.append(replace(last, iteration=iteration, seconds=0.0, garbage=None,
+                                     carried=origin))
+        return True
 
     def plan(self, index: int, *, due: bool) -> None:
         """At the boundary that closed iteration ``index``: a census is wanted when ``due``
@@ -128,14 +171,29 @@ class CensusSchedule:
         self.wanted, self.pending, self.ledger.deferred = state.wanted, state.pending, \
             state.deferred
         self.ledger.reserved = state.reserved
+        if due and self.wanted and self.pending is None and self._basis is not None:
+            # The account cannot pay for it, but the last one may still stand: that is seen
+            # as the next iteration begins, at no cost.
+            self.pending, self._probe = index, True
 
     def take_pending(self, *, model: nn.Module | None, own_hooks: set[int],
                      skip: set[int], named: Sequence[Named] = ()) -> float:
-        """Take the census due at the last boundary now; returns the seconds it took."""
+        """Take the census due at the last boundary now, or carry the last one where it
+        still stands (:func:`~memsentry.record.policy.stands`: memory and the user's hooks
+        where they were when it was taken); returns the seconds it took."""
         iteration, self.pending = self.pending, None
+        probe, self._probe = self._probe, False
         if iteration is None:
             return 0.0
         started = self.clock()
+        carried = self._carried(iteration, own_hooks)
+        if carried and probe:  # it need not wait any more
+            self.wanted, self.ledger.reserved = False, 0.0
+            self.ledger.deferred -= 1
+        if carried or probe:  # a look at two counters, not a census: no event counted
+            spent = self.clock() - started
+            self.ledger.charge(CENSUSES, spent, 0, inside=False)
+            return spent
         self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named)
         spent = self.clock() - started
         self.last_cost = spent
@@ -169,17 +227,36 @@ class CensusSchedule:
         merged into one: they are dropped, as is a pending one."""
         self.censuses = [c for c in self.censuses if c.iteration < iteration]
         self.pending = None
+        self._basis, self._probe = None, False
         self.wanted = False
         self.ledger.reserved = 0.0
 
     def budget_notes(self) -> list[str]:
-        """Searches that stopped at their budget."""
-        return [
+        """Searches that stopped at their budget, and those a search before stood for."""
+        return self._carried_notes() + [
             f"The holder search at iteration {c.iteration} stopped at its "
             f"{self.budget:g} s budget after {c.objects:,} objects; holders beyond "
             "them were not examined (raise track(holder_budget=...))."
             for c in self.censuses if not c.complete
         ] + self._graph_notes()
+
+    def _carried_notes(self) -> list[str]:
+        carried = [c for c in self.censuses if c.carried is not None]
+        if not carried:
+            return []
+        at = ", ".join(str(c.iteration) for c in carried[:8]) + (", ..." if len(carried) > 8
+                                                                  else "")
+        backend = self._sampler.backend
+        heap = f"the C heap within {self.ledger.tuning.still_bytes} bytes"
+        how = heap if backend is None or backend.measured is Measured.HEAP \
+            else f"device memory to the byte, {heap}"
+        return [
+            f"{len(carried)} holder search(es) were not run (iteration {at}): as each was due, "
+            f"memory stood where it stood when the last one ran, {self.ledger.tuning.carry_gap} "
+            f"or more iterations before ({how}), and no hook came or went, so that search's "
+            "holders stand for them (one small tensor kept while as much was freed elsewhere "
+            "would pass unseen until the next search)."
+        ]
 
     def _graph_notes(self) -> list[str]:
         cut = [str(c.iteration) for c in self.censuses if c.complete and not c.graphs_complete]

@@ -115,7 +115,9 @@ def _stacked(shown: list[IterationStats], scale: int, unit: str) -> list[dict[st
 def _census_text(census: Census) -> str:
     top = sorted(census.holders, key=lambda h: h.bytes, reverse=True)[:3]
     held = "; ".join(f"{h.name} {format_bytes(h.bytes)}" for h in top) or "no holder"
-    return html.escape(f"census at iteration {census.iteration}: {held}", quote=False)
+    carried = "" if census.carried is None else f" (that of {census.carried}, carried)"
+    return html.escape(f"census at iteration {census.iteration}{carried}: {held}",
+                       quote=False)
 
 
 def _census_trace(report: ReportData, by_index: dict[int, IterationStats],

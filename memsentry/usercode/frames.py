@@ -194,6 +194,8 @@ def _scan_modules() -> list[tuple[str, Any]]:
     (a script's ``__main__`` replaced by another, with no file) is judged again."""
     found: list[tuple[str, Any]] = []
     for name, module in list(sys.modules.items()):
+        if root_package(name) in MACHINERY:  # most of them (torch's): no file to read
+            continue
         key = (name, id(module))
         known = _MODULE_KINDS.get(key)
         if known is not None and known[0]() is module \
