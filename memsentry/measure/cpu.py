@@ -52,13 +52,15 @@ def _load_mallinfo2() -> tuple[Any, str | None]:
 _MALLINFO2, MALLINFO2_UNAVAILABLE = _load_mallinfo2()
 
 
+def _in_use(info: _Mallinfo2) -> int:
+    """The heap's bytes in use: small chunks in the arenas and mmapped ones."""
+    return int(info.uordblks + info.hblkhd)
+
+
 def heap_in_use() -> int | None:
     """Bytes of the C heap in use now (what :class:`MallinfoBackend` reads), or ``None``
     where glibc's ``mallinfo2()`` is not available."""
-    if _MALLINFO2 is None:
-        return None
-    info = _MALLINFO2()
-    return int(info.uordblks + info.hblkhd)
+    return None if _MALLINFO2 is None else _in_use(_MALLINFO2())
 
 
 def physical_memory() -> int | None:
@@ -87,7 +89,7 @@ class MallinfoBackend(Passive):
         self._mallinfo2 = _MALLINFO2
 
     def sample(self) -> tuple[int, int | None]:
-        info = self._mallinfo2()
+        info = self._mallinfo2()  # _in_use() written out: read at every saved-tensor pack
         return info.uordblks + info.hblkhd, None
 
     def sample_cost(self, calls: int = 5) -> float:
@@ -102,8 +104,7 @@ class MallinfoBackend(Passive):
         return best
 
     def allocated(self) -> int:
-        info = self._mallinfo2()
-        return info.uordblks + info.hblkhd
+        return _in_use(self._mallinfo2())
 
     def reserved(self) -> int | None:
         info = self._mallinfo2()

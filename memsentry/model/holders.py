@@ -115,9 +115,9 @@ class Census:
     holder was found; ``graphs_complete`` is false when the autograd graphs behind the holders
     were too large to walk in their share of it (their node and saved-byte figures are then
     lower bounds, the holders' own figures are whole). ``carried`` names the census this one
-    repeats when none was taken: at its boundary memory stood where that census's stood (within
-    a boundary's jitter) and no hook was added or removed, so its holders are those of
-    ``carried`` and its ``garbage`` is ``None`` (no collection ran)."""
+    repeats when none was taken: as it was due to begin, memory stood where it stood when that
+    census ran (within the heap's jitter) and no hook was added or removed, so its holders are
+    those of ``carried`` and its ``garbage`` is ``None`` (no collection ran)."""
 
     iteration: int
     seconds: float

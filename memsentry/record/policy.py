@@ -398,10 +398,10 @@ def census_step(state: CensusState, account: Account, *, index: int, due: bool,
 
 @dataclass(frozen=True)
 class Standing:
-    """What a census's boundary read, to tell whether a later one would find the same: the
-    boundary's ``iteration``, ``allocated`` (the backend's figure, memsentry's own left out),
-    ``heap`` (glibc's in-use count, the same way; ``None`` when the backend counts the heap
-    itself or it cannot be read) and the user's hooks per module
+    """What memory and hooks were as a census began, to tell whether a later one would find
+    the same: its ``iteration``, ``allocated`` (the backend's figure, the censuses' records
+    left out), ``heap`` (glibc's in-use count, the same way; ``None`` when the backend counts
+    the heap itself or it cannot be read) and the user's hooks per module
     (:func:`~memsentry.census.hooks.hook_counts`)."""
 
     iteration: int
@@ -414,7 +414,7 @@ def stands(then: Standing | None, now: Standing, *, heap_backend: bool,
            tuning: Tuning = DEFAULT) -> bool:
     """Whether the census read at ``then`` still stands at ``now``, so that none need be
     taken: ``carry_gap`` iterations or more apart, no hook was added or removed, and memory
-    moved no more than a boundary's jitter (``still_bytes`` where the figure is the heap's,
+    moved no more than the heap's jitter (``still_bytes`` where the figure is the heap's,
     ``heap_backend`` for the backend's; none where it counts tensors). A tensor kept or
     dropped since moves them further: every tensor is a C allocation of its ``TensorImpl``
     whatever its device."""

@@ -93,7 +93,6 @@ class CensusSchedule:
                 self._cycles_seen = True
                 self.watch_collections()
             collected, heap_collected = backend.allocated(), heap_in_use()
-            basis = self._standing(iteration, collected, heap_collected, own_hooks)
             # The walk's short-lived records would start collections of the oldest
             # generation, which in a process of millions of objects take longer than the
             # walk itself (0.17 s of a 0.5 s budget beside 3 million tuples).
@@ -119,27 +118,29 @@ class CensusSchedule:
         finally:
             self._collecting = False
         self.censuses.append(census)
-        self._sampler.own += backend.allocated() - before
+        # What memory and hooks were as it began (its hooks are those it counted).
+        self._basis = self._standing(iteration, collected, heap_collected,
+                                     tuple((h.module, h.count) for h in census.hooks))
+        after = backend.allocated()
+        self._sampler.own += after - before
         # Python's blocks too: the census's records are not the program's small objects.
         self._sampler.own_blocks += sys.getallocatedblocks() - blocks
-        self._basis = basis
-        self._records += backend.allocated() - collected
-        after = heap_in_use()
-        if heap_collected is not None and after is not None:
-            self._heap_records += after - heap_collected
+        self._records += after - collected
+        heap_after = heap_in_use()
+        if heap_collected is not None and heap_after is not None:
+            self._heap_records += heap_after - heap_collected
         return True
 
     def _standing(self, iteration: int, allocated: int, heap: int | None,
-                  own_hooks: set[int]) -> Standing:
+                  hooks: tuple[tuple[str | None, int], ...]) -> Standing:
         """What a census at ``iteration`` sees, to compare with another: the backend's
         ``allocated`` and the C ``heap`` read as it begins (after its collection, for one
-        taken), less what the censuses' records take, and the user's hooks."""
+        taken), less what the censuses' records take, and the user's ``hooks``."""
         backend = self._sampler.backend
         if backend is None or backend.measured is Measured.HEAP:
             heap = None  # the backend's figure is the heap's
         return Standing(iteration, allocated - self._records,
-                        None if heap is None else heap - self._heap_records,
-                        hook_counts(self._registry.modules(), own_hooks))
+                        None if heap is None else heap - self._heap_records, hooks)
 
     def _carried(self, iteration: int, own_hooks: set[int]) -> bool:
         """Whether the last census taken stands for the one of ``iteration``; then it is
@@ -147,7 +148,8 @@ class CensusSchedule:
         backend = self._sampler.backend
         if self._basis is None or backend is None:
             return False
-        now = self._standing(iteration, backend.allocated(), heap_in_use(), own_hooks)
+        now = self._standing(iteration, backend.allocated(), heap_in_use(),
+                             hook_counts(self._registry.modules(), own_hooks))
         if not stands(self._basis, now, heap_backend=backend.measured is Measured.HEAP,
                       tuning=self.ledger.tuning):
             return False
