@@ -5,6 +5,7 @@ to copy, it is a leak in the workers; small or unexplained growth says nothing."
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from memsentry.model import (
     WorkerMemory,
 )
 from memsentry.rules.workers import (
+    EVENT_TIMES,
     MAX_JUMP,
     MIN_SAMPLES,
     MIN_SHAPE_SAMPLES,
@@ -152,6 +154,51 @@ def test_growth_made_of_one_jump_is_not_still_growing() -> None:
     rest = (total - step) // 6
     jumpy = [rest * i for i in range(6)] + [rest * 5 + step, total]
     assert _found(*_pair(jumpy)) == []
+
+
+def _epochs(per_epoch: int, epochs: int, *, event: int = 0, at: int = 0) -> list[int]:
+    """Private memory of a persistent worker that keeps what it makes: four readings that
+    gain ``per_epoch / 4`` each, then four that gain nothing (the loader's last batches are
+    fetched already), every epoch; ``event`` bytes more in the step to reading ``at``."""
+    steps = ([per_epoch // 4] * 4 + [0] * 4) * epochs
+    private = list(itertools.accumulate(steps, initial=8 * MiB))
+    return [p + (event if n >= at else 0) for n, p in enumerate(private)]
+
+
+def test_a_leak_still_grows_when_a_full_collection_copied_the_heap_midway() -> None:
+    """The worker's first full collection copies all the pages it inherited in one step (90
+    MiB beside 32 MiB an epoch, a step between readings at the run's middle, as a worker
+    forked from a pytest process that ran other tests did): that step is an event, left out,
+    and what is left still climbs through the later half."""
+    private = _epochs(32 * MiB, 4, event=90 * MiB, at=16)
+    (finding,) = _found(*_pair(private))
+    assert finding.severity is Severity.LEAK
+    assert "still growing through the later half of the run" in finding.message
+
+
+def test_an_event_is_a_step_past_event_times_the_median_growing_step() -> None:
+    """Ten steps of 6 MiB and one more, beside a cache and 49 MiB of records (a leak past
+    81 MiB of a worker's own growth): a step of ``EVENT_TIMES`` times 6 MiB is growth and
+    makes 84 MiB; a byte more is an event, left out, and 60 MiB is within the records' copy."""
+    def with_step(step: int) -> list[Finding]:
+        steps = [6 * MiB] * 5 + [step] + [6 * MiB] * 5
+        private = list(itertools.accumulate(steps, initial=0))
+        return _found(*_pair(private, RECORDS, stores=(CACHE,)))
+
+    assert [f.severity for f in with_step(EVENT_TIMES * 6 * MiB)] == [Severity.LEAK]
+    assert [f.severity for f in with_step(EVENT_TIMES * 6 * MiB + 1)] == [Severity.WASTE]
+
+
+def test_a_full_collections_copy_is_not_a_caches_growth_past_the_objects() -> None:
+    """A bounded cache beside 49 MiB of records: the workers copy the records as they read
+    them, and one step copies their 60 MiB of inherited heap; without that step they are
+    within ``PAST_OBJECTS`` times the records: copy-on-read, not a leak."""
+    copying = [0, 20 * MiB, 30 * MiB, 36 * MiB, 40 * MiB, 43 * MiB, 45 * MiB, 47 * MiB,
+               48 * MiB, 49 * MiB]
+    private = [p + (60 * MiB if n >= 6 else 0) for n, p in enumerate(copying)]
+    (finding,) = _found(*_pair(private, RECORDS, stores=(CACHE,)))
+    assert finding.severity is Severity.WASTE
+    assert finding.bytes == 2 * 109 * MiB  # what the workers hold, the event's step too
 
 
 def test_a_worker_that_did_not_grow_leaves_its_loader_unjudged() -> None:

@@ -10,6 +10,7 @@ objects take is the worker's own leak (a cache filled in ``__getitem__``).
 from __future__ import annotations
 
 import itertools
+import statistics
 
 from memsentry.model import Finding, ReportData, Severity, Subject, SubjectKind
 from memsentry.model.processes import DatasetObjects, DatasetStore, WorkerMemory
@@ -46,21 +47,57 @@ def _growth(worker: WorkerMemory) -> int | None:
 STILL_GROWING = 1 / 3
 MAX_JUMP = 0.5
 MIN_SHAPE_SAMPLES = 6
+#: A step more than this many times the median of a worker's growing steps (three at least)
+#: is one event and not the worker's own growth: the worker's first full collection writes to
+#: every object it inherited and copies all their pages at once (70 to 90 MiB in one step
+#: between readings that each gained 2 to 15 MiB, in a worker forked from a pytest process
+#: that had run other tests). Its own growth, which the verdicts weigh, leaves that step out.
+EVENT_TIMES = 4
+
+
+def _steps(worker: WorkerMemory) -> list[int]:
+    """What the worker's private memory gained from each reading to the next."""
+    private = [s.private or 0 for s in worker.samples]
+    return [b - a for a, b in itertools.pairwise(private)]
+
+
+def _event(steps: list[int]) -> int | None:
+    """The index of the step that is one event (see ``EVENT_TIMES``), ``None`` when none is
+    or too few readings tell."""
+    growing = [s for s in steps if s > 0]
+    if len(steps) + 1 < MIN_SHAPE_SAMPLES or len(growing) < 3:
+        return None
+    largest = max(range(len(steps)), key=steps.__getitem__)
+    return largest if steps[largest] > EVENT_TIMES * statistics.median(growing) else None
+
+
+def _own_steps(worker: WorkerMemory) -> list[int]:
+    """The worker's steps, the one that is an event (if any) counted as nothing."""
+    steps = _steps(worker)
+    event = _event(steps)
+    return [0 if i == event else step for i, step in enumerate(steps)]
+
+
+def _own_growth(worker: WorkerMemory) -> int:
+    """What the worker gained from its first reading to its last, less an event's step."""
+    steps = _steps(worker)
+    event = _event(steps)
+    return (_growth(worker) or 0) - (steps[event] if event is not None else 0)
 
 
 def _still_growing(worker: WorkerMemory) -> bool | None:
     """Whether the worker's private memory kept rising, step by step, through its later
     readings; ``None`` with too few readings to tell."""
-    samples = worker.samples
-    if len(samples) < MIN_SHAPE_SAMPLES:
+    if len(worker.samples) < MIN_SHAPE_SAMPLES:
         return None
-    private = [s.private or 0 for s in samples]
-    total = private[-1] - private[0]
-    if total <= 0:
+    steps = _steps(worker)
+    if sum(steps) <= 0:
         return False
-    later = private[-1] - private[len(private) // 2]
-    jump = max(b - a for a, b in itertools.pairwise(private))
-    return later >= STILL_GROWING * total and jump <= MAX_JUMP * total
+    if max(steps) > MAX_JUMP * sum(steps):
+        return False
+    own = _own_steps(worker)
+    later = sum(own[len(worker.samples) // 2:])
+    return sum(own) > 0 and later >= STILL_GROWING * sum(own)
 
 
 def _loaders(report: ReportData) -> dict[int, dict[int, list[WorkerMemory]]]:
@@ -80,17 +117,18 @@ def _judge(workers: list[WorkerMemory]) -> bool | None:
         return None
     objects = next((w.objects for w in workers if w.objects is not None), None)
     if objects is not None:
-        return _past_objects(workers, max(growths), objects)
+        return _past_objects(workers, objects)
     # Nothing a worker could copy on reading: a leak when it grows step by step, and no
     # verdict otherwise (pages the main process wrote after the fork are its own cost).
     return True if all(_still_growing(w) for w in workers) else None
 
 
-def _past_objects(workers: list[WorkerMemory], most: int, objects: DatasetObjects) -> bool:
-    """Whether the workers, the most grown of which gained ``most`` bytes, grew past what
-    copying the dataset's Python objects explains: ``PAST_OBJECTS`` times them when
-    ``__getitem__`` adds to an attribute of the dataset (a cache to blame), else
-    ``PAST_OBJECTS_UNSTORED`` times them and still growing step by step."""
+def _past_objects(workers: list[WorkerMemory], objects: DatasetObjects) -> bool:
+    """Whether the workers grew past what copying the dataset's Python objects explains (the
+    most grown of them, by its own growth): ``PAST_OBJECTS`` times them when ``__getitem__``
+    adds to an attribute of the dataset (a cache to blame), else ``PAST_OBJECTS_UNSTORED``
+    times them and still growing step by step."""
+    most = max(_own_growth(w) for w in workers)
     stored = bool(workers[0].stores)
     times = PAST_OBJECTS if stored else PAST_OBJECTS_UNSTORED
     past = most > max(times * objects.bytes, objects.bytes + PAST_BYTES)
