@@ -139,7 +139,16 @@ def _findings(dataset: Dataset[tuple[torch.Tensor, int]], epochs: int = 1, *,
                         persistent_workers=persistent)
     with memsentry.track(on_leak="ignore") as t:
         _train(loader, epochs)
-    return [f for f in t.report().findings if f.rule == "worker-memory"]
+    found = [f for f in t.report().findings if f.rule == "worker-memory"]
+    print(_readings(t.report()))  # pytest shows it when a test fails
+    return found
+
+
+def _readings(report: memsentry.Report) -> str:
+    """Each worker's private memory at every reading (KiB), for a failing test's message."""
+    return "\n".join(f"worker {w.worker} pass {w.epoch}: "
+                     f"{[(s.private or 0) // 1024 for s in w.samples]}"
+                     for w in report.workers)
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
@@ -228,9 +237,10 @@ def test_spawned_workers_are_followed_and_a_leak_in_them_is_told(every_fetch: No
     with memsentry.track(on_leak="ignore") as t:
         losses = _train(loader, epochs=4)
     report = t.report()
-    assert len(report.workers) == 2 and all(len(w.samples) >= 6 for w in report.workers)
-    (finding,) = [f for f in report.findings if f.rule == "worker-memory"]
-    assert finding.severity is memsentry.Severity.LEAK
+    seen = _readings(report)
+    assert len(report.workers) == 2 and all(len(w.samples) >= 6 for w in report.workers), seen
+    (finding,) = [f for f in report.findings if f.rule == "worker-memory"] or [None]
+    assert finding is not None and finding.severity is memsentry.Severity.LEAK, seen
     assert losses == _train(DataLoader(Caching(8_000), batch_size=1024, num_workers=2,
                                        persistent_workers=True,
                                        multiprocessing_context="spawn"), epochs=4)
