@@ -71,18 +71,16 @@ def _event(steps: list[int]) -> int | None:
     return largest if steps[largest] > EVENT_TIMES * statistics.median(growing) else None
 
 
-def _own_steps(worker: WorkerMemory) -> list[int]:
-    """The worker's steps, the one that is an event (if any) counted as nothing."""
-    steps = _steps(worker)
+def _own_steps(steps: list[int]) -> list[int]:
+    """A worker's ``steps``, the one that is an event (if any) counted as nothing."""
     event = _event(steps)
     return [0 if i == event else step for i, step in enumerate(steps)]
 
 
 def _own_growth(worker: WorkerMemory) -> int:
-    """What the worker gained from its first reading to its last, less an event's step."""
-    steps = _steps(worker)
-    event = _event(steps)
-    return (_growth(worker) or 0) - (steps[event] if event is not None else 0)
+    """What the worker gained from its first reading to its last (both read: see
+    :func:`_loaders`), less an event's step."""
+    return sum(_own_steps(_steps(worker)))
 
 
 def _still_growing(worker: WorkerMemory) -> bool | None:
@@ -95,7 +93,7 @@ def _still_growing(worker: WorkerMemory) -> bool | None:
         return False
     if max(steps) > MAX_JUMP * sum(steps):
         return False
-    own = _own_steps(worker)
+    own = _own_steps(steps)
     later = sum(own[len(worker.samples) // 2:])
     return sum(own) > 0 and later >= STILL_GROWING * sum(own)
 
