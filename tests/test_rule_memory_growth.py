@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from builders import (
@@ -295,3 +296,34 @@ def test_growth_needs_most_iterations_to_end_higher() -> None:
 
 def test_an_empty_report_has_no_finding() -> None:
     assert check(RULE, report()) == []
+
+
+# -- growth that follows the input -----------------------------------------------------------------
+def _rebuilt(**figures: Any) -> tuple[Any, ...]:
+    """A curriculum's step at censuses 2, 4, 8 and 11: ``x`` bound anew and larger each time,
+    ``loss`` whose graph, built since the census before, gains nodes."""
+    x = holder_states("x", tensors=1, bytes=[MiB, 2 * MiB, 4 * MiB, 5 * MiB], rebound=True)
+    loss = holder_states("loss", tensors=1, bytes=4, graph_tensors=1,
+                         graph_nodes=[100, 200, 400, 500], graph_oldest=[10, 300, 700, 1200],
+                         graph_newest=[110, 500, 1100, 1700])
+    taken = censuses([2, 4, 8, 11], x, loss, **figures)
+    newest = [110, 500, 1100, 1700]
+    return tuple(replace(c, graph_newest=n) for c, n in zip(taken, newest, strict=True))
+
+
+def test_heap_growth_from_holders_rebuilt_at_every_step_is_a_hint() -> None:
+    """A length curriculum: the heap gains 1 MiB a step and what grew is this step's input
+    and graph, both rebuilt; nothing is kept from one step to the next."""
+    (finding,) = check(RULE, _heap(iterations(ramp(BASE, MiB, 12)), censuses=_rebuilt()))
+    assert finding.severity is Severity.HINT
+    assert "the holders that grew (`x`, `loss`) are rebuilt at every step" in finding.message
+    assert "nothing to fix if the inputs grow by design" in finding.fix
+
+
+def test_a_kept_holder_beside_rebuilt_ones_leaves_the_growth_a_leak() -> None:
+    kept = holder_states("kept", tensors=[3, 5, 9, 12], bytes=[2 * MiB, 4 * MiB, 8 * MiB,
+                                                               11 * MiB])
+    taken = tuple(replace(c, holders=(*c.holders, h))
+                  for c, h in zip(_rebuilt(), kept, strict=True))
+    found = check(RULE, _heap(iterations(ramp(BASE, MiB, 12)), censuses=taken))
+    assert [f.severity for f in found] == [Severity.LEAK]

@@ -6,6 +6,7 @@ because the holder gains tensors is tensor-accumulation's, not this rule's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from builders import (
@@ -20,7 +21,7 @@ from builders import (
     report,
 )
 
-from memsentry.model import Finding, HolderKind, HolderStats, Severity, SubjectKind
+from memsentry.model import Census, Finding, HolderKind, HolderStats, Severity, SubjectKind
 from memsentry.rules.retained import PINNED_MIN_BYTES
 from memsentry.usercode.feeds import Feed
 
@@ -211,3 +212,35 @@ def test_censuses_whose_graphs_were_too_large_to_walk_are_left_out() -> None:
 
 def test_a_report_without_censuses_has_no_finding() -> None:
     assert check(RULE, report()) == []
+
+
+def _aged(taken: tuple[Census, ...], newest: list[int | None]) -> tuple[Census, ...]:
+    """``taken`` with the newest autograd sequence number each census saw."""
+    return tuple(replace(census, graph_newest=n) for census, n in zip(taken, newest,
+                                                                     strict=True))
+
+
+def test_a_graph_built_anew_every_step_is_not_a_retained_graph() -> None:
+    """A GRU's loss over sequences 4 steps longer each time: its graph gains nodes from one
+    census to the next, but each census's graph began after the one before had read its
+    newest node (sequence numbers 100, 300...: built since); a summed loss keeps node 0."""
+    def found(oldest: list[int]) -> list[Finding]:
+        loss = holder_states("loss", tensors=1, bytes=4, graph_tensors=1,
+                             graph_nodes=[10, 20, 30, 40], graph_oldest=oldest,
+                             graph_newest=[o + 50 for o in oldest], scope=TRAIN, where=LINE)
+        newest = [o + 50 for o in oldest]
+        return check(RULE, report(censuses=_aged(censuses(AT, loss), newest)))
+
+    assert found([100, 300, 600, 1000]) == []
+    assert [f.severity for f in found([0, 0, 0, 0])] == [Severity.LEAK]
+    assert [f.severity for f in found([100, 120, 600, 1000])] == [Severity.LEAK]  # once
+
+
+def test_a_carried_census_does_not_prove_a_graph_reaches_back() -> None:
+    """A carried census repeats the one before, graph and all: equal numbers prove nothing."""
+    loss = holder_states("loss", tensors=1, bytes=4, graph_tensors=1,
+                         graph_nodes=[10, 20, 20, 40], graph_oldest=[100, 300, 300, 1000],
+                         graph_newest=[150, 350, 350, 1050], scope=TRAIN, where=LINE)
+    taken = list(_aged(censuses(AT, loss), [150, 350, 350, 1050]))
+    taken[2] = replace(taken[2], carried=AT[1])
+    assert check(RULE, report(censuses=tuple(taken))) == []

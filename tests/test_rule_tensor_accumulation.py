@@ -26,6 +26,7 @@ from memsentry.model import (
     Census,
     Finding,
     HolderKind,
+    HolderStats,
     Scope,
     ScopeKind,
     Severity,
@@ -329,3 +330,16 @@ def test_censuses_that_ran_out_of_time_are_left_out() -> None:
 
 def test_a_report_without_censuses_has_no_finding() -> None:
     assert check(RULE, report(iterations=iterations(ramp(100 * MiB, MiB, 10)))) == []
+
+
+def test_a_tensor_bound_anew_every_step_grows_with_its_input_and_is_not_a_leak() -> None:
+    """``x = torch.randn(8 + 4 * step, 32, 16)`` (a length curriculum): one tensor, larger at
+    every census at a steady pace, but the code binds it afresh before it is filled; the same
+    figures from ``bank = torch.cat([bank, x])`` are a leak."""
+    def row(rebound: bool | None) -> list[HolderStats]:
+        return holder_states("x", tensors=1, bytes=ramp(MiB, 128 * KiB, 5), scope=TRAIN,
+                             where=LINE, rebound=rebound)
+
+    assert _found(row(True), at=[2, 4, 6, 8, 10]) == []
+    assert len(_found(row(False), at=[2, 4, 6, 8, 10])) == 1
+    assert len(_found(row(None), at=[2, 4, 6, 8, 10])) == 1  # no line read: judged as before

@@ -13,6 +13,7 @@ from torch import nn
 
 import memsentry
 from memsentry.usercode.lines import growth_line, mtime, nodes, nodes_by_line, walk_functions
+from memsentry.usercode.rebinds import rebound_each_step
 
 SOURCES = sorted(Path(memsentry.__file__).parent.rglob("*.py"))
 
@@ -87,3 +88,63 @@ def test_a_census_does_not_walk_memsentrys_own_caches() -> None:
     leaks = [f for f in report.findings if f.severity is memsentry.Severity.LEAK]
     assert [f.rule for f in leaks] == ["tensor-accumulation"]
     assert "`kept`" in leaks[0].message
+
+
+# -- the lines that fill holders of issue 42's places, and rebinding --------------------------
+_FILLS = '''\
+import heapq, bisect, torch
+
+class HistorySGD(torch.optim.Optimizer):
+    def step(self):
+        for p in self.params:
+            st = self.state[p]
+            st["count"] = 0
+            st.setdefault("history", []).append(p.grad.clone())
+            st["trace"] = torch.cat([st["trace"], p.grad])
+
+def train(loader, seen):
+    best, ranked = [], []
+    first, spare = itertools.tee(loader)
+    bank = torch.zeros(0)
+    for step, x in enumerate(first):
+        x = x.float()
+        heapq.heappush(best, (step, x))
+        bisect.insort(ranked, (step, x))
+        seen.get().append(x)
+        bank = torch.cat([bank, x])
+        y = torch.randn(8 + step)
+        y = y * 2
+'''
+
+
+def _lines(tmp_path: Path) -> Path:
+    source = tmp_path / "fills.py"
+    source.write_text(_FILLS)
+    return source
+
+
+def test_a_holder_spelled_with_a_string_key_is_filled_where_that_key_grows(
+        tmp_path: Path) -> None:
+    source = str(_lines(tmp_path))
+    assert growth_line(source, "state[p]['history']") == 8  # setdefault(...).append
+    assert growth_line(source, "state[p]['trace']") == 9  # concatenated onto itself
+    assert growth_line(source, "state[p]['count']") == 7  # only ever set
+
+
+def test_heaps_sorted_lists_unpacked_names_and_context_values_have_their_lines(
+        tmp_path: Path) -> None:
+    source = str(_lines(tmp_path))
+    assert growth_line(source, "best") == 17  # heapq.heappush(best, ...), not `best, ranked = []`
+    assert growth_line(source, "ranked") == 18
+    assert growth_line(source, "spare") == 13  # bound by unpacking the tee
+    assert growth_line(source, "seen") == 19  # seen.get().append(x)
+
+
+def test_a_name_bound_anew_in_its_loop_before_it_is_filled_is_rebound(tmp_path: Path) -> None:
+    source = str(_lines(tmp_path))
+    assert rebound_each_step(source, 16, "x") is True  # `x = x.float()` after `for ... x in`
+    assert rebound_each_step(source, 22, "y") is True  # `y = y * 2` after `y = torch.randn`
+    assert rebound_each_step(source, 21, "y") is True  # a fresh value at the line itself
+    assert rebound_each_step(source, 20, "bank") is False  # carried from the step before
+    assert rebound_each_step(source, 9, "state[p]['trace']") is False
+    assert rebound_each_step(None, 9, "x") is None

@@ -159,6 +159,50 @@ def _plain_values(values: list[Any]) -> bool:
                for value in values if type(value) is array)
 
 
+#: What ``torch.optim.Optimizer.__init__`` sets on every optimizer
+#: (``torch/optim/optimizer.py``): its bookkeeping, not state a subclass added. Its
+#: ``state`` is walked as ``state[p]``, its ``param_groups`` hold the parameters.
+_OPTIMIZER_INTERNALS = frozenset({"defaults", "state", "param_groups",
+                                  "_warned_capturable_if_run_uncaptured",
+                                  "_zero_grad_profile_name"})
+
+
+def optimizer_children(optimizer: torch.optim.Optimizer) -> Iterator[Child]:
+    """An optimizer's per-parameter state, each key of it as ``state[p]['exp_avg']`` (one
+    holder for the key across the parameters: ``opt.state[p]['history']`` is what a step
+    appends to for every parameter), and the attributes a subclass sets on itself. Of
+    PyTorch's own optimizers only the tensors: the lists LBFGS keeps are bounded by its
+    ``history_size`` (``torch/optim/lbfgs.py`` drops the oldest entry once it is reached)."""
+    tensors_only = type(optimizer).__module__.startswith("torch.")
+    for state in list(optimizer.state.values()):
+        if not isinstance(state, dict):
+            if not tensors_only:
+                yield StepKind.ATTRIBUTE, "state[p]", state, False
+            continue
+        for key, value in list(state.items()):
+            if not tensors_only or isinstance(value, torch.Tensor):
+                yield StepKind.ATTRIBUTE, f"state[p][{key!r}]", value, False
+    for name, value in list(vars(optimizer).items()):
+        if name not in _OPTIMIZER_INTERNALS and not name.startswith("_optimizer_"):
+            yield StepKind.ATTRIBUTE, name, value, False
+
+
+def _builtin_iterator(obj: Any) -> bool:
+    """An iterator implemented in C by Python or :mod:`itertools` (``iter(list)``, ``zip``,
+    ``map``, ``itertools.cycle``, ``islice``...): what it keeps is in C fields."""
+    cls = type(obj)
+    return cls.__module__ in ("builtins", "itertools") and hasattr(cls, "__next__") \
+        and not isinstance(obj, types.GeneratorType)
+
+
+def _iterator_state(obj: Any) -> Iterator[Child]:
+    """What a C iterator keeps (its source, the items ``itertools.cycle`` saved, the value
+    ``repeat`` repeats), as the garbage collector lists it: the iterator's holder's."""
+    for ref in gc.get_referents(obj):
+        if not isinstance(ref, type):
+            yield StepKind.INDEX, 0, ref, True
+
+
 def children(obj: Any, live: set[int]) -> Iterator[Child]:
     """What ``obj`` holds (see :data:`Child`); positional children (sequence indices, set
     members, non-string keys, a traceback's frame locals) belong to the holder above."""
@@ -168,6 +212,10 @@ def children(obj: Any, live: set[int]) -> Iterator[Child]:
         inner = _items(obj)
     elif isinstance(obj, nn.Module):
         inner = _module_attributes(obj)
+    elif isinstance(obj, torch.optim.Optimizer):
+        inner = optimizer_children(obj)
+    elif _builtin_iterator(obj):
+        inner = _iterator_state(obj)
     else:
         inner = _attributes(obj)
     if isinstance(obj, BaseException) and obj.__traceback__ is not None:

@@ -1,10 +1,17 @@
-"""Autograd graphs behind held tensors: the nodes reachable from a ``grad_fn`` and the bytes
-those nodes saved for backward."""
+"""Autograd graphs behind held tensors: the nodes reachable from a ``grad_fn``, the bytes
+those nodes saved for backward, and how old the graph's nodes are.
+
+Age is read from each node's sequence number (``Node::sequence_nr()`` in
+``torch/csrc/autograd/function.h``): a thread-local counter that every node built in forward
+takes and increments (``at::sequence_number::get_and_increment()``), so a node built later
+has a higher number. ``AccumulateGrad`` (``torch/csrc/autograd/functions/accumulate_grad.cpp``)
+and the engine's own nodes take ``UINT64_MAX`` and say nothing of age: they are left out.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,13 +43,39 @@ def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
+#: Sequence numbers from here up are not ages (``UINT64_MAX``: gradient accumulators, the
+#: engine's own nodes).
+_NO_AGE = 1 << 63
+
+
+class GraphSize(NamedTuple):
+    """What one holder's graph holds: its ``nodes``, the bytes they ``saved`` for backward, and
+    the sequence numbers of its ``oldest`` and ``newest`` nodes (``None`` when no node has one:
+    an empty graph, or only gradient accumulators)."""
+
+    nodes: int
+    saved: int
+    oldest: int | None = None
+    newest: int | None = None
+
+
+def _age(node: Any) -> int | None:
+    """The node's sequence number, or ``None`` where it has none that orders it."""
+    try:
+        number = node._sequence_nr()
+    except Exception:  # a node type without one
+        return None
+    return number if 0 <= number < _NO_AGE else None
+
+
 def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budget
-               ) -> tuple[int, int]:
-    """(nodes, saved bytes) reachable from the nodes ``grad_fns`` that no earlier holder
-    claimed (``seen`` is updated); saved storages count once per walk, through ``walk``.
-    Graphs have their own ``budget``: a huge graph (an LBFGS closure's, kept for every step)
-    cuts the graph figures short, not the holders the walk found."""
+               ) -> GraphSize:
+    """The graph reachable from the nodes ``grad_fns`` that no earlier holder claimed
+    (``seen`` is updated); saved storages count once per walk, through ``walk``. Graphs have
+    their own ``budget``: a huge graph (an LBFGS closure's, kept for every step) cuts the graph
+    figures short, not the holders the walk found."""
     nodes = saved = 0
+    ages: list[int] = []
     stack = [r for r in grad_fns if id(r) not in seen]
     while stack and not budget.spent():
         node = stack.pop()
@@ -50,9 +83,14 @@ def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budg
             continue
         seen.add(id(node))
         nodes += 1
+        age = _age(node)
+        if age is not None:
+            ages.append(age)
         for tensor in saved_tensors(node):
             saved += walk.tally.count_bytes(tensor)
         for child, _index in node.next_functions:
             if child is not None and id(child) not in seen:
                 stack.append(child)
-    return nodes, saved
+    if not ages:
+        return GraphSize(nodes, saved)
+    return GraphSize(nodes, saved, min(ages), max(ages))

@@ -1,19 +1,33 @@
 """Hooks the user registered: per module (module hooks and its parameters' tensor hooks) and
-globally, memsentry's own left out."""
+globally, memsentry's own left out; and the number of callbacks registered with
+:mod:`atexit` (see :mod:`memsentry.census.registries`)."""
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
-from memsentry.model import HookStats, Location
+from memsentry.model import EXIT_REGISTRY, HookStats, Location
 from memsentry.usercode.lines import register_line, short_path
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def exit_count() -> int | None:
+    """How many callbacks are registered with :mod:`atexit` (``atexit._ncallbacks()``, the
+    only figure CPython exposes of them); ``None`` where it cannot be read."""
+    count = getattr(atexit, "_ncallbacks", None)
+    if count is None:
+        return None
+    try:
+        return int(count())
+    except Exception:
+        return None
 
 
 def _describe_hook(hook: Any) -> tuple[str | None, Location | None, Location | None]:
@@ -80,4 +94,5 @@ def hook_counts(modules: Iterable[tuple[str, nn.Module]], own: set[int]
     counts: list[tuple[str | None, int]] = [
         (name, _user_hooks(_module_dicts(module), own)) for name, module in modules]
     counts.append((None, _user_hooks(_global_dicts(), own)))
+    counts.append((EXIT_REGISTRY, exit_count() or 0))
     return tuple((name, count) for name, count in counts if count)

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from memsentry.census.graphs import graph_size
+from memsentry.census.graphs import GraphSize, graph_size
 from memsentry.census.hooks import hook_census
+from memsentry.census.registries import add_context_values, add_signal_handlers, exit_callbacks
 from memsentry.census.tally import Holder, SourceHint
 from memsentry.census.walk import (
     CALLABLES,
@@ -35,6 +36,7 @@ from memsentry.model import (
     HeldTensor,
     HolderKind,
     HolderStats,
+    HookStats,
     Location,
     Scope,
     ScopeKind,
@@ -53,6 +55,7 @@ from memsentry.usercode.frames import (
     user_modules,
 )
 from memsentry.usercode.lines import growth_line, short_path
+from memsentry.usercode.rebinds import rebound_each_step
 
 
 class Root(NamedTuple):
@@ -233,12 +236,15 @@ def _add_instance(walk: Walk, name: str, obj: Any, role: str) -> None:
                   SourceHint(name, (source,) if source else ()))
 
 
-def _add_scopes(walk: Walk, frame: types.FrameType | None) -> None:
+def _add_scopes(walk: Walk, frame: types.FrameType | None) -> list[str]:
     """The locals of the user's frames, an interactive session's uncaught error, then the
-    globals of those frames' modules and of every other user module."""
+    globals of those frames' modules and of every other user module, then the values of the
+    running context's variables and the user's signal handlers. Returns the files of those
+    modules, the frames' first."""
     namespaces: dict[int, Namespace] = {}
     _add_frames(walk, frame, namespaces)
-    for module in user_modules():
+    modules = user_modules()
+    for module in modules:
         namespaces.setdefault(id(vars(module)), Namespace(
             vars(module), module.__name__, getattr(module, "__file__", None)))
     last_error = getattr(sys, "last_value", None)  # an interactive session's uncaught error
@@ -248,6 +254,9 @@ def _add_scopes(walk: Walk, frame: types.FrameType | None) -> None:
                       SourceHint("last_value"))
     for namespace in namespaces.values():
         add_globals(walk, namespace.globals, namespace.name, namespace.path, classes=True)
+    add_context_values(walk, modules)
+    add_signal_handlers(walk)
+    return [namespace.path for namespace in namespaces.values() if namespace.path]
 
 
 def take_census(
@@ -270,7 +279,7 @@ def take_census(
     walk = Walk(Budget(budget), static, skip, live_frames=running_frames(frame))
     for name, obj, role in named:  # first: where both reach a tensor, the user's spelling wins
         _add_instance(walk, name, obj, role)
-    _add_scopes(walk, frame)
+    files = _add_scopes(walk, frame)
     add_log_handlers(walk)
     if model is not None and all(obj is not model for _, obj, _ in named):
         name = type(model).__name__
@@ -281,6 +290,7 @@ def take_census(
     graphs = Budget(budget * GRAPH_SHARE)
     holders = _freeze_holders(walk, graphs)
     holders += _gradient_holders(walk, modules, graphs)
+    newest = [h.graph_newest for h in holders if h.graph_newest is not None]
     return Census(
         iteration=iteration,
         seconds=time.perf_counter() - started,
@@ -288,9 +298,19 @@ def take_census(
         graphs_complete=not graphs.exhausted,
         objects=walk.visited,
         holders=tuple(holders),
-        hooks=hook_census(modules, own_hooks),
+        hooks=_hooks(modules, own_hooks, files),
         garbage=garbage,
+        graph_newest=max(newest, default=None),
     )
+
+
+def _hooks(modules: list[tuple[str, nn.Module]], own: set[int], files: list[str]
+           ) -> tuple[HookStats, ...]:
+    """The user's hooks per module and globally, and the callbacks registered with
+    :mod:`atexit` (the line that registers them searched in ``files``)."""
+    hooks = hook_census(modules, own)
+    exits = exit_callbacks(files)
+    return hooks if exits is None else (*hooks, exits)
 
 
 def find_holders(pointers: set[int], roots: list[Root], *, budget: float = 1.0
@@ -326,12 +346,15 @@ _NOWHERE = FilledAt(None, None)
 
 
 def _where(holder: Holder) -> FilledAt:
-    """The line of the user's code that fills the holder, with the full path of its file; for
+    """The line of the user's code that fills the holder, with the full path of its file (for
+    tensors chained through an attribute, the line that sets it: ``out.prev = last``); for
     an attribute a library's class fills (``queue.Queue``'s ``queue``), the line that grows
     its root (``q.put(x)``); else the fallback line (where its frame stood)."""
     hint = holder.hint
     user = [path for path in hint.files if not is_library_file(path)]
-    found = _growth_in(user, hint.name, hint.function_line)
+    found = _growth_in(user, holder.chained, None) if holder.chained else None
+    if found is None:
+        found = _growth_in(user, hint.name, hint.function_line)
     if found is None and _filled_by_library(holder, user):
         found = _growth_in(user[-1:], holder.path[0].name, None)
     if found is None and hint.files and hint.fallback_line is not None:
@@ -365,7 +388,7 @@ def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | 
     return feeding_call(source, where.line, hint.files[-1], holder.path[0].name)
 
 
-def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
+def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
     filled = _where(holder)
     where, source = filled.where, filled.source
     line = where.line if where else None
@@ -374,11 +397,13 @@ def _freeze(holder: Holder, nodes: int, saved: int) -> HolderStats:
     return HolderStats(
         path=holder.path, kind=holder.kind, scope=holder.scope, where=where,
         added=added, rewrite=rewrite, feed=_feed(holder, where, source),
+        rebound=rebound_each_step(source, line, holder.hint.name),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
-        graph_tensors=holder.graph_tensors, graph_nodes=nodes, graph_saved_bytes=saved,
+        graph_tensors=holder.graph_tensors, graph_nodes=graph.nodes,
+        graph_saved_bytes=graph.saved, graph_oldest=graph.oldest, graph_newest=graph.newest,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
         arrays=holder.arrays, nodes=holder.nodes, buffers=holder.buffers,
-        container=holder.container,
+        container=holder.container, chained=holder.chained,
     )
 
 
@@ -386,13 +411,13 @@ def _freeze_holders(walk: Walk, budget: Budget) -> list[HolderStats]:
     """Each holder with the autograd graph it reaches. A graph two holders reach (a state
     carried into the next iteration and an output of the same call) is credited to the holder
     declared first: the state set up before the loop, not the loop's own output."""
-    graphs: dict[int, tuple[int, int]] = {}
+    graphs: dict[int, GraphSize] = {}
     nodes_seen: set[int] = set()
     for holder in sorted(walk.tally.holders.values(), key=walk.declared):
         graphs[id(holder)] = graph_size(walk, holder.grad_fns, nodes_seen, budget) \
-            if holder.grad_fns else (0, 0)
+            if holder.grad_fns else GraphSize(0, 0)
         holder.grad_fns.clear()
-    return [_freeze(holder, *graphs[id(holder)]) for holder in walk.tally.holders.values()]
+    return [_freeze(holder, graphs[id(holder)]) for holder in walk.tally.holders.values()]
 
 
 def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget
@@ -412,12 +437,13 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: 
                 size += walk.tally.count_bytes(grad)
     if not paths:
         return []
-    nodes, saved = graph_size(walk, grad_fns, set(), budget)
+    graph = graph_size(walk, grad_fns, set(), budget)
     grad_fns.clear()
     return [
         HolderStats(
             path=paths[0], kind=HolderKind.GRADIENT, scope=None, where=None, items=len(paths),
-            tensors=len(paths), bytes=size, graph_tensors=len(paths), graph_nodes=nodes,
-            graph_saved_bytes=saved,
+            tensors=len(paths), bytes=size, graph_tensors=len(paths), graph_nodes=graph.nodes,
+            graph_saved_bytes=graph.saved, graph_oldest=graph.oldest,
+            graph_newest=graph.newest,
         )
     ]

@@ -47,6 +47,7 @@ class Holder:
     nodes: int = 0
     buffers: int = 0
     container: str | None = None
+    chained: str | None = None  # the tensor attribute that keeps other tensors
     grad_fns: list[Any] = field(default_factory=list)  # where its tensors' graphs begin
 
 
@@ -115,6 +116,27 @@ class Tally:
             if tensor.grad_fn is not None:
                 holder.graph_tensors += 1
                 holder.grad_fns.append(tensor.grad_fn)
+
+    def module_container(self, item: Item, container: nn.Module) -> None:
+        """A ``ModuleList``, ``ModuleDict``, ``ParameterList`` or ``ParameterDict``: its
+        length, the modules or parameters it keeps, and the bytes of the parameters under it
+        that are not the tracked model's own (those made after tracking began)."""
+        listed = isinstance(container, nn.ParameterList | nn.ParameterDict)
+        length = len(container._parameters if listed else container._modules)
+        self.container(item.path, length, None, type(container).__name__)
+        holder = self.holder(item)
+        if listed:
+            holder.tensors += length
+        else:
+            holder.modules += length
+        holder.bytes += sum(self.count_bytes(p, holder=holder) for p in container.parameters())
+
+    def chained(self, item: Item, attribute: str) -> None:
+        """A tensor of the holder keeps another tensor as its attribute ``attribute``
+        (``out.prev = last``): the first such attribute met is the holder's."""
+        holder = self.holder(item)
+        if holder.chained is None:
+            holder.chained = attribute
 
     def model(self, item: Item, module: nn.Module) -> None:
         """A whole model kept in a container: counted with its parameters."""

@@ -9,6 +9,7 @@ holder above them (its items, counted together).
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 import time
 import types
@@ -35,18 +36,21 @@ from memsentry.census.children import (
     walks_into,
 )
 from memsentry.census.tally import Holder, Item, SourceHint, Tally
+from memsentry.census.tees import TEE, tee_items
 from memsentry.model import HolderKind, Scope, ScopeKind, Step, StepKind
 from memsentry.usercode.frames import is_user_class, root_package, source_file
 
 #: The packages whose caches a census leaves alone: memsentry's own.
 _OWN_PACKAGES = frozenset({"memsentry", "pytest_memsentry"})
 
-#: Objects never walked into: code, functions, classes, optimizers, autograd nodes.
+#: Objects never walked into: code, functions, classes, schedulers, autograd nodes. (An
+#: optimizer is walked for its state: :func:`~memsentry.census.children.optimizer_children`.)
 OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
           types.FrameType, types.CodeType, types.GeneratorType, types.CoroutineType,
           type, property, staticmethod, classmethod,
-          torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-          torch.autograd.graph.Node)
+          torch.optim.lr_scheduler.LRScheduler, torch.autograd.graph.Node)
+#: Modules that hold other modules or parameters by position: their length is the holder's.
+MODULE_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 #: Packages whose objects are never walked into: memsentry's own, and the test runner's (a
 #: test's ``request`` or ``capsys`` reaches the whole session, every collected test; the
 #: test's own values are met through its locals first).
@@ -190,6 +194,8 @@ class Walk:
         suspended generators, each in its own way; whether ``obj`` was one of them."""
         if isinstance(obj, torch.Tensor):
             self.tally.tensor(item, obj)
+            if type(obj) is torch.Tensor:
+                self._enqueue_tensor_attributes(item, obj)
             return True
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(obj, numpy.ndarray) and not obj.dtype.hasobject:
@@ -211,6 +217,23 @@ class Walk:
             return True
         return False
 
+    def _enqueue_tensor_attributes(self, item: Item, tensor: torch.Tensor) -> None:
+        """Values set on a plain tensor as attributes (``out.prev = last``) belong to the
+        tensor's holder, at its depth: a chain of tensors each keeping the one before is
+        followed to its end, and the holder notes the attribute that chains them. The
+        garbage collector lists a tensor's ``__dict__`` only when one was made, so a tensor
+        without attributes is not given one."""
+        for ref in gc.get_referents(tensor):
+            if type(ref) is not dict:
+                continue
+            for name, value in list(ref.items()):
+                if id(value) in self.seen or atomic(value):
+                    continue
+                if isinstance(value, torch.Tensor) and self.tally.targets is None:
+                    self.tally.chained(item, name)
+                self.queue.append(Item(value, item.path, item.kind, item.scope, item.hint,
+                                       item.depth, True))
+
     def _visit(self, item: Item, obj: Any) -> None:
         if self._visit_memory(item, obj):
             return
@@ -224,7 +247,11 @@ class Walk:
             self.tally.model(item, obj)  # a model kept in a container: count it, whole
         elif isinstance(obj, CONTAINERS):
             self._visit_container(item, obj)
-        elif not _torch_internal(obj):
+        elif isinstance(obj, TEE):
+            self._visit_tee(item, obj)
+        elif isinstance(obj, torch.optim.Optimizer) or not _torch_internal(obj):
+            if isinstance(obj, MODULE_CONTAINERS) and not item.frozen:
+                self.tally.module_container(item, obj)
             self._visit_instance(item, obj)
 
     def _visit_container(self, item: Item, obj: Any) -> None:
@@ -239,6 +266,16 @@ class Walk:
             self.large.append(item)
         else:
             self._enqueue_children(item, obj, type(obj))
+
+    def _visit_tee(self, item: Item, obj: Any) -> None:
+        """A branch of ``itertools.tee``: the items it has not read yet are its holder's
+        (the tee keeps them until every branch has read them)."""
+        waiting = tee_items(obj)
+        if not item.frozen:
+            self.tally.container(item.path, len(waiting), None, "tee")
+        if item.depth < _MAX_DEPTH:
+            self._enqueue_children(item, obj, type(obj),
+                                   ((StepKind.INDEX, i, v, True) for i, v in enumerate(waiting)))
 
     def _visit_instance(self, item: Item, obj: Any) -> None:
         """Any other object: its class's attributes become roots, its own are walked."""

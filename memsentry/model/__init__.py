@@ -23,6 +23,7 @@ from memsentry.model.diff import (
 from memsentry.model.findings import Finding, Location, Subject
 from memsentry.model.forecast import Forecast, ForecastPoint
 from memsentry.model.holders import (
+    EXIT_REGISTRY,
     Census,
     GarbageStats,
     HeldTensor,
@@ -59,6 +60,7 @@ from memsentry.model.timeline import IterationStats, LayerStats, complete, growt
 
 __all__ = [
     "CATEGORIES",
+    "EXIT_REGISTRY",
     "SCHEMA_VERSION",
     "Boundary",
     "Breach",

@@ -24,7 +24,10 @@ class HolderStats:
     ``bytes`` count the tensors under it (each storage once per census), ``modules`` the
     ``nn.Module`` objects kept under it (their parameters are in ``bytes``); ``graph_tensors``
     those carrying a ``grad_fn``, ``graph_nodes`` the autograd nodes reachable from them and
-    ``graph_saved_bytes`` the tensors those nodes keep for backward. ``bound`` is the most
+    ``graph_saved_bytes`` the tensors those nodes keep for backward; ``graph_oldest`` and
+    ``graph_newest`` are the autograd sequence numbers of its oldest and newest nodes (``None``
+    when not read: a graph that outlives the census before it has an oldest node at or below
+    that census's :attr:`Census.graph_newest`). ``bound`` is the most
     items the container can hold (a ``deque``'s ``maxlen``), ``None`` when unbounded.
     ``shared_bytes``: of its ``bytes``, those another holder reaches too. ``arrays`` counts
     the NumPy arrays under it (their memory is in ``bytes``: a ``tensor.numpy()`` view as its
@@ -38,7 +41,11 @@ class HolderStats:
     the line folds a tensor into the holder some other way (``ema = 0.9 * ema + 0.1 *
     loss``), that line adding a number instead; ``feed``, for an attribute filled inside a
     method of the user's class, the call that hands it the value (``losses.update(loss,
-    n)``).
+    n)``). ``rebound`` says whether the code binds the holder to a fresh value at that line, or
+    earlier in the body of the loop around it (``x = torch.randn(n, 16)``, ``for x in
+    loader``): a tensor that grows there follows its input and keeps nothing of the step
+    before (``None``: no line found). ``chained`` names the tensor attribute through which
+    its tensors keep others (``prev`` for ``out.prev = last``), ``None`` when none does.
     """
 
     path: tuple[Step, ...]
@@ -51,6 +58,8 @@ class HolderStats:
     graph_tensors: int = 0
     graph_nodes: int = 0
     graph_saved_bytes: int = 0
+    graph_oldest: int | None = None
+    graph_newest: int | None = None
     modules: int = 0
     bound: int | None = None
     shared_bytes: int = 0
@@ -61,6 +70,8 @@ class HolderStats:
     added: str | None = None
     rewrite: str | None = None
     feed: Feed | None = None
+    rebound: bool | None = None
+    chained: str | None = None
 
     @property
     def name(self) -> str:
@@ -73,9 +84,15 @@ class HolderStats:
         return self.path[0].name if self.path else ""
 
 
+#: The ``module`` of the :class:`HookStats` that counts the callbacks registered with
+#: :mod:`atexit` (no module of a model can be named so).
+EXIT_REGISTRY = "<atexit>"
+
+
 @dataclass(frozen=True)
 class HookStats:
-    """User hooks registered on one module (``module=None``: registered globally), memsentry's
+    """User hooks registered on one module (``module=None``: registered globally;
+    :data:`EXIT_REGISTRY`: the callbacks registered with :mod:`atexit`), memsentry's
     own left out. ``hook`` names the newest hook function, ``where`` its definition and
     ``registered`` the line that registers it (``None`` where no such line was found)."""
 
@@ -117,7 +134,10 @@ class Census:
     lower bounds, the holders' own figures are whole). ``carried`` names the census this one
     repeats when none was taken: as it was due to begin, memory stood where it stood when that
     census ran (within the heap's jitter) and no hook was added or removed, so its holders are
-    those of ``carried`` and its ``garbage`` is ``None`` (no collection ran)."""
+    those of ``carried`` and its ``garbage`` is ``None`` (no collection ran). ``graph_newest``
+    is the highest autograd sequence number among the graphs its holders keep (``None``: no
+    graph, or not read): a graph at a later census whose oldest node is at or below it was
+    already alive at this one."""
 
     iteration: int
     seconds: float
@@ -128,6 +148,7 @@ class Census:
     garbage: GarbageStats | None = None
     graphs_complete: bool = True
     carried: int | None = None
+    graph_newest: int | None = None
 
 
 @dataclass(frozen=True)

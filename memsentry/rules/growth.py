@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from memsentry.model import (
     Finding,
+    HolderStats,
     IterationStats,
     Measured,
     ReportData,
     Severity,
     Subject,
     SubjectKind,
+    spell,
 )
 from memsentry.rules.registry import rule
 from memsentry.rules.resident import (
@@ -23,6 +25,8 @@ from memsentry.rules.series import (
     WARMUP,
     after_warmup,
     complete_censuses,
+    holder_series,
+    reaches_back,
     steady_growth,
 )
 from memsentry.rules.threads import other_threads_grew
@@ -49,6 +53,34 @@ def _reachable_growth(report: ReportData) -> tuple[float, int] | None:
     if not span or nodes[-1] > nodes[0]:
         return None  # graphs pile up: their nodes live on the heap, outside tensor bytes
     return (totals[-1] - totals[0]) / span, len(censuses)
+
+
+def _step_local(report: ReportData) -> list[str] | None:
+    """The holders that grew from the first complete census to the last, when every one of
+    them is rebuilt at every step: a tensor the code binds anew before it fills it
+    (``x = torch.randn(8 + 4 * step, 32, 16)``) or a graph that no census saw outlive the one
+    before (this step's loss, longer because its input is). Their growth follows the input (a
+    longer sequence, a larger batch) and nothing is kept from one step to the next. ``None``
+    when none grew, one of them is kept across steps, or fewer than three censuses ran."""
+    censuses, table = holder_series(report)
+    if len(censuses) < MIN_CENSUSES:
+        return None
+    grown = []
+    for path, row in table.items():
+        first, last = row[0], row[-1]
+        if first is None or last is None or not _grew(first, last):
+            continue
+        if not (last.rebound or (last.graph_nodes and not reaches_back(censuses, row))):
+            return None
+        grown.append(spell(path))
+    return grown or None
+
+
+def _grew(first: HolderStats, last: HolderStats) -> bool:
+    """Whether a holder keeps more at the last census than at the first: bytes, saved
+    activations or graph nodes."""
+    return (last.bytes + last.graph_saved_bytes > first.bytes + first.graph_saved_bytes
+            or last.graph_nodes > first.graph_nodes)
 
 
 def _not_tensors(message: str, its: list[IterationStats], rate: float) -> tuple[str, str]:
@@ -142,6 +174,18 @@ def _allocated_growth(report: ReportData, complete: list[IterationStats],
             "run longer (the searches come as the budget allows), or with "
             "track(overhead=None) to take each when due, or measure tensor storages only "
             "with track(exact=True) (`memsentry run --exact`)"
+        )
+    elif (rebuilt := _step_local(report)) is not None:
+        severity = Severity.HINT
+        names = ", ".join(f"`{name}`" for name in rebuilt[:4])
+        message += (
+            f"; the holders that grew ({names}) are rebuilt at every step: their size follows "
+            "the input (a longer sequence, a larger batch) and nothing is kept from one step "
+            "to the next, so it is not judged a leak"
+        )
+        fix = (
+            "nothing to fix if the inputs grow by design (a length curriculum, a growing "
+            "batch); if they should not, check how batches are built"
         )
     elif reached is not None and reached[0] < MIN_TENSOR_SHARE * rate:
         severity = Severity.HINT

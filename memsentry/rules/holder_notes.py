@@ -37,9 +37,55 @@ def buffer_kept(last: HolderStats, base: str) -> tuple[str, str]:
 
 def what_it_keeps(last: HolderStats, graphs_complete: bool) -> str:
     """The accumulation message's notes on what the holder is and keeps: a function's cache,
-    NumPy arrays, autograd nodes, tensors that carry graphs."""
-    return (_cache_note(last) + _arrays_note(last) + _buffers_note(last) + _nodes_note(last)
-            + _graphs_note(last, graphs_complete))
+    a registry of modules, a tee, an optimizer's state, a context variable, tensors chained
+    through an attribute, NumPy arrays, autograd nodes, tensors that carry graphs."""
+    return (_cache_note(last) + _place_note(last) + _arrays_note(last) + _buffers_note(last)
+            + _nodes_note(last) + _graphs_note(last, graphs_complete))
+
+
+#: Modules that keep modules or parameters by position, as a holder's ``container`` names them.
+MODULE_CONTAINERS = frozenset({"ModuleList", "ModuleDict", "ParameterList", "ParameterDict"})
+#: How an optimizer's per-parameter state is spelled in a holder's path (``opt.state[p]...``).
+OPTIMIZER_STATE = "state[p]"
+
+
+def optimizer_key(last: HolderStats) -> str | None:
+    """The key of an optimizer's per-parameter state the holder is, as written (``'history'``
+    for ``opt.state[p]['history']``), or ``None``."""
+    step = last.path[-1].name if last.path else ""
+    return step[len(OPTIMIZER_STATE) + 1:-1] if step.startswith(OPTIMIZER_STATE + "[") \
+        and step.endswith("]") else None
+
+
+def context_variable(last: HolderStats) -> str | None:
+    """The context variable whose value the holder is (``seen`` for ``seen.get()``), or
+    ``None``."""
+    root = last.root
+    return root.removesuffix(".get()") if len(last.path) == 1 and root.endswith(".get()") \
+        else None
+
+
+def _place_note(last: HolderStats) -> str:
+    """Where the holder keeps what it gains, when that is not a plain container."""
+    if last.container in MODULE_CONTAINERS:
+        return (f"; it is an `nn.{last.container}`: every module or parameter added stays "
+                "registered with the model (`parameters()`, `state_dict()`, `.to()`) while the "
+                "model lives, and an optimizer made before it never trains them")
+    if last.container == "tee":
+        return ("; it is a branch of `itertools.tee` that reads behind the others (or not at "
+                "all): the tee keeps every item until each branch has read it")
+    key = optimizer_key(last)
+    if key is not None:
+        return (f"; it is the optimizer's per-parameter state: `{key}` grows in the state of "
+                "each parameter at every step")
+    variable = context_variable(last)
+    if variable is not None:
+        return (f"; it is the value of the context variable `{variable}` "
+                "(`contextvars.ContextVar`), which the running context keeps")
+    if last.chained:
+        return (f"; they are chained through a tensor attribute (`.{last.chained}`): each "
+                "tensor keeps the one set on it, back to the first")
+    return ""
 
 
 def _cache_note(last: HolderStats) -> str:
@@ -134,6 +180,9 @@ def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
             "end such cells with `;` (or assign the result), drop kept results with "
             "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
         )
+    place = _place_fix(last)
+    if place is not None:
+        return place
     if default:
         return (
             "default the argument to `None` and make the container inside the function "
@@ -163,8 +212,39 @@ def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
     )
 
 
+def _place_fix(last: HolderStats) -> str | None:
+    """The fix where the holder is a registry of modules, a tee, an optimizer's state, a
+    context variable or a chain of tensors; ``None`` for other holders."""
+    base = base_name(last)
+    if last.container in MODULE_CONTAINERS:
+        return (f"build `{base}` once, before the loop, and reuse its modules; a module tried "
+                "for one step belongs in a local that goes out of scope, and one meant to be "
+                "trained must be given to the optimizer (`opt.add_param_group`)")
+    if last.container == "tee":
+        return (f"read the branches of the tee together (`zip(...)`), or drop the branch that "
+                f"is not read (`del {base}`); for a look-ahead of one item, keep the previous "
+                "item yourself or use `itertools.pairwise`")
+    key = optimizer_key(last)
+    if key is not None:
+        return (f"bound `{key}` in the optimizer's state: keep the last k entries "
+                f"(`state[p].setdefault({key}, collections.deque(maxlen=k))`) or fold each "
+                "step into a running value updated in place, and store `.detach()`ed tensors")
+    variable = context_variable(last)
+    if variable is not None:
+        return (f"bound what `{variable}` keeps, or give it a fresh value each epoch "
+                f"(`{variable}.set([])`), and keep `.item()` numbers or `.detach()`ed CPU "
+                "copies in it")
+    if last.chained:
+        return (f"cut the chain: clear the attribute once it has been used (`x.{last.chained} "
+                "= None`) or keep the last few tensors in a `collections.deque(maxlen=k)` "
+                "instead of on each other")
+    return None
+
+
 def models_note(last: HolderStats) -> str:
-    return f"; {last.modules} of them are whole nn.Module objects" if last.modules else ""
+    if not last.modules or last.container in MODULE_CONTAINERS:
+        return ""  # a registry of modules says what it is in its own note
+    return f"; {last.modules} of them are whole nn.Module objects"
 
 
 def default_note(default: str | None) -> str:
@@ -183,11 +263,15 @@ def history_note(last: HolderStats) -> str:
 
 __all__ = [
     "IPYTHON_HISTORY",
+    "MODULE_CONTAINERS",
+    "OPTIMIZER_STATE",
     "accumulation_fix",
     "buffer_kept",
+    "context_variable",
     "default_note",
     "history_note",
     "models_note",
+    "optimizer_key",
     "tensor_kept",
     "what_it_keeps",
 ]

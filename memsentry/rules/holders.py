@@ -18,6 +18,7 @@ from memsentry.model import (
     Subject,
 )
 from memsentry.rules.holder_notes import (
+    MODULE_CONTAINERS,
     accumulation_fix,
     buffer_kept,
     default_note,
@@ -56,10 +57,12 @@ TOOTH_BYTES = 64 * 1024
 
 def _noun(holder: HolderStats) -> str:
     """What the holder mostly keeps: ``tensor``, ``model``, ``NumPy array``, ``autograd
-    node``."""
+    node``; ``module`` or ``parameter`` for a ``ModuleList``, ``ParameterList``..."""
     kinds = [(holder.tensors, "tensor"), (holder.arrays, "NumPy array"),
              (holder.nodes, "autograd node"), (holder.buffers, "buffer"),
              (holder.modules, "model")]
+    if holder.container in MODULE_CONTAINERS:
+        return "module" if holder.modules else "parameter"
     if holder.modules and not holder.tensors:
         return "model"
     return max(kinds, key=lambda kind: kind[0])[1]
@@ -121,9 +124,12 @@ def _accumulates(censuses: list[Census], row: Row) -> bool:
 
 def _growing(censuses: list[Census], row: Row, allocated: tuple[float, float] | None
              ) -> list[Finding]:
-    """One tensor whose bytes climb (a bank concatenated onto itself), as its own finding."""
+    """One tensor whose bytes climb (a bank concatenated onto itself), as its own finding; not
+    one the code binds anew every step before it is filled (``x = torch.randn(n, 16)``): it
+    grows with its input (a longer sequence, a larger batch) and keeps nothing of the step
+    before."""
     last = latest(row)
-    if last is None or last.kind == HolderKind.GRADIENT:
+    if last is None or last.kind == HolderKind.GRADIENT or last.rebound:
         return []
     size = trend(censuses, row, lambda h: h.bytes)
     if grows_steadily(size) or _explains_growth(size, allocated):

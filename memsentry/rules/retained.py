@@ -27,6 +27,7 @@ from memsentry.rules.series import (
     held_count,
     holder_series,
     latest,
+    reaches_back,
     sawtooth_note,
     trend,
 )
@@ -57,7 +58,9 @@ class _Graph:
     """What the censuses show of the autograd graph one holder keeps.
 
     ``nodes`` and ``saved`` are its graph's nodes and saved bytes census by census;
-    ``growing``: the nodes climb while what it holds does not (one tensor whose graph grows);
+    ``growing``: the nodes climb while what it holds does not, and the graph was already alive
+    at an earlier census (one tensor whose graph grows: a loss of this step only, larger
+    because its input is longer, is not one);
     ``held_climbs``: what it holds climbs (tensor-accumulation's case); ``kept``: its tensors
     carried a graph at each of the last two censuses."""
 
@@ -81,9 +84,10 @@ def _graph_of(censuses: list[Census], row: list[HolderStats | None]) -> _Graph |
         return None
     nodes = trend(censuses, row, lambda h: h.graph_nodes)
     held_climbs = trend(censuses, row, held_count).climbs()
+    growing = nodes.climbs() and not held_climbs and reaches_back(censuses, row)
     return _Graph(
         last=last, nodes=nodes, saved=trend(censuses, row, lambda h: h.graph_saved_bytes),
-        growing=nodes.climbs() and not held_climbs, held_climbs=held_climbs,
+        growing=growing, held_climbs=held_climbs,
         kept=len(nodes.values) >= 2 and all(_carries_graph(h) for h in row[-2:]),
     )
 

@@ -222,6 +222,24 @@ def trend(censuses: Sequence[Census], row: Sequence[T | None],
     )
 
 
+def reaches_back(censuses: list[Census], row: list[HolderStats | None]) -> bool:
+    """Whether the holder's graph outlived a census: at some census its oldest node is at or
+    below the newest node the census before saw (see ``memsentry.census.graphs``). A graph
+    built anew every step (a loss whose input grows longer) never does. Where no census read
+    the ages (a report of an older memsentry, or built by hand), it is taken to."""
+    read = False
+    for position in range(1, len(row)):
+        holder, census = row[position], censuses[position]
+        before = censuses[position - 1].graph_newest
+        if holder is None or census.carried is not None or holder.graph_oldest is None \
+                or before is None:
+            continue  # a carried census repeats the one before: it proves nothing
+        read = True
+        if holder.graph_oldest <= before:
+            return True
+    return not read
+
+
 def per_iteration(value: float, noun: str) -> str:
     """``1 tensor/iter``, ``2.5 tensors/iter``."""
     return f"{value:.3g} {noun if value == 1 else noun + 's'}/iter"

@@ -13,6 +13,7 @@ import ast
 import functools
 import linecache
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeGuard
 
@@ -93,17 +94,91 @@ def spells(target: ast.AST, name: str) -> bool:
 _RESETS = (ast.Constant, ast.List, ast.Dict, ast.Tuple, ast.Set)
 
 
+#: Functions that grow the container given as their first argument.
+_FIRST_ARGUMENT_GROWS = frozenset({"heappush", "insort", "insort_left", "insort_right"})
+#: Methods that return what a key holds (``state.setdefault("history", [])``).
+_KEY_READS = frozenset({"setdefault", "get", "__getitem__"})
+#: A holder spelled with a string key at its end: ``state[p]['history']``.
+_KEYED = re.compile(r".*\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
 def _score(node: ast.AST, name: str) -> float:
     """How surely ``node`` is the statement that makes ``name`` grow: 3 for accumulation
-    (``+=``, ``x = x + ...``, ``x.append(...)``, ``x[k] = ...``), 1 for a plain binding, 0.5
-    for one that resets it to a constant or an empty literal (``reset()``'s ``self.avg = 0``)."""
+    (``+=``, ``x = x + ...``, ``x.append(...)``, ``x[k] = ...``, ``heapq.heappush(x, ...)``),
+    1 for a plain binding, 0.5 for one that resets it to a constant or an empty literal
+    (``reset()``'s ``self.avg = 0``). A name ending in a string key (``state[p]['history']``)
+    is scored by that key (:func:`_key_score`)."""
+    key = string_key(name)
+    if key is not None:
+        return _key_score(node, key)
     if isinstance(node, ast.AugAssign) and spells(node.target, name):
         return 3
     if isinstance(node, ast.Assign | ast.AnnAssign):
         return _assignment_score(node, name)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        return 3 if node.func.attr in GROWING_METHODS and spells(node.func.value, name) else 0
+    if isinstance(node, ast.Call):
+        return 3 if _grows(node, lambda target: spells(_receiver(target), name)) else 0
     return 0
+
+
+def _grows(call: ast.Call, names: Callable[[ast.AST], bool]) -> bool:
+    """Whether ``call`` grows a container that ``names`` accepts: a growing method called on
+    it (``x.append(y)``) or a function that grows its first argument (``heappush(x, y)``)."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr in GROWING_METHODS:
+        return names(func.value)
+    called = func.attr if isinstance(func, ast.Attribute) else \
+        func.id if isinstance(func, ast.Name) else None
+    return called in _FIRST_ARGUMENT_GROWS and bool(call.args) and names(call.args[0])
+
+
+def _receiver(target: ast.AST) -> ast.AST:
+    """What a method is called on, through the calls that hand back what it holds:
+    ``seen`` for ``seen.get().append(x)``."""
+    while isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) \
+            and target.func.attr in _KEY_READS | {"get"}:
+        target = target.func.value
+    return target
+
+
+def string_key(name: str) -> str | None:
+    """The string key a holder's name ends with (``history`` for ``state[p]['history']``),
+    or ``None``."""
+    match = _KEYED.fullmatch(name) if name.endswith("]") else None
+    if match is None:
+        return None
+    try:
+        key = ast.literal_eval(match.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    return key if isinstance(key, str) else None
+
+
+def _reads_key(node: ast.AST, key: str) -> bool:
+    """``x[key]`` or ``x.setdefault(key, ...)``/``x.get(key)``."""
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == key
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+        and node.func.attr in _KEY_READS and bool(node.args) \
+        and isinstance(node.args[0], ast.Constant) and node.args[0].value == key
+
+
+def _key_score(node: ast.AST, key: str) -> float:
+    """:func:`_score` for what a string key holds: 3 where it grows
+    (``state["history"].append(g)``, ``state.setdefault("history", []).append(g)``,
+    ``state["buf"] = torch.cat([state["buf"], g])``, ``state["sum"] += g``), 1 where it is
+    set, 0.5 where it is reset to an empty literal or a constant."""
+    if isinstance(node, ast.AugAssign):
+        return 3 if _reads_key(node.target, key) else 0
+    if isinstance(node, ast.Call):
+        return 3 if _grows(node, lambda target: _reads_key(target, key)) else 0
+    if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+        return 0
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    if not any(_reads_key(target, key) for target in targets):
+        return 0
+    if any(_reads_key(sub, key) for sub in ast.walk(node.value)):
+        return 3
+    return 0.5 if isinstance(node.value, _RESETS) and not _filled(node.value) else 1
 
 
 def _assignment_score(node: ast.Assign | ast.AnnAssign, name: str) -> float:
@@ -112,9 +187,17 @@ def _assignment_score(node: ast.Assign | ast.AnnAssign, name: str) -> float:
     for target in targets:
         if isinstance(target, ast.Subscript) and spells(target, name):
             return 3
-        if spells(target, name):
+        if spells(target, name) or _unpacks(target, name):
             return _binding_score(node.value, name)
     return 0
+
+
+def _unpacks(target: ast.AST, name: str) -> bool:
+    """Whether a tuple or list target binds ``name`` (``first, second = tee(batches)``)."""
+    if not isinstance(target, ast.Tuple | ast.List):
+        return False
+    return any(spells(getattr(item, "value", item) if isinstance(item, ast.Starred) else item,
+                      name) or _unpacks(item, name) for item in target.elts)
 
 
 def _binding_score(value: ast.AST | None, name: str) -> float:
