@@ -343,3 +343,13 @@ def test_a_tensor_bound_anew_every_step_grows_with_its_input_and_is_not_a_leak()
     assert _found(row(True), at=[2, 4, 6, 8, 10]) == []
     assert len(_found(row(False), at=[2, 4, 6, 8, 10])) == 1
     assert len(_found(row(None), at=[2, 4, 6, 8, 10])) == 1  # no line read: judged as before
+
+
+def test_a_list_made_anew_each_step_is_not_judged_by_its_length() -> None:
+    """``outs = []`` at the top of the step, then one output a time step: longer sequences
+    make it longer at every census; it keeps nothing of the step before."""
+    outs = holder_states("outs", tensors=[8, 12, 16, 20, 24], bytes=ramp(MiB, 128 * KiB, 5))
+    assert len(_found(outs, at=[2, 4, 6, 8, 10])) == 1
+    rebuilt = holder_states("outs", tensors=[8, 12, 16, 20, 24],
+                            bytes=ramp(MiB, 128 * KiB, 5), rebound=True)
+    assert _found(rebuilt, at=[2, 4, 6, 8, 10]) == []

@@ -148,3 +148,34 @@ def test_a_name_bound_anew_in_its_loop_before_it_is_filled_is_rebound(tmp_path: 
     assert rebound_each_step(source, 20, "bank") is False  # carried from the step before
     assert rebound_each_step(source, 9, "state[p]['trace']") is False
     assert rebound_each_step(None, 9, "x") is None
+
+
+_STEPS = '''\
+def train(loader, logger, model, opt):
+    for epoch in range(3):
+        preds = []
+        for batch in loader:
+            outs = []
+            for t in range(batch.shape[0]):
+                outs.append(model(batch[t]))
+            x = batch[0]
+            hist = logger.history
+            hist.append(x)
+            preds.append(x)
+            opt.step()
+'''
+
+
+def test_the_step_is_the_loop_around_the_fill_and_the_optimizer_step(tmp_path: Path) -> None:
+    """``outs = []`` at the top of the step is fresh for the inner loop that fills it;
+    ``preds = []`` once an epoch is not fresh for the step; an alias of what outlives the step
+    (``hist = logger.history``) is not fresh; ``x = batch[0]`` under ``for batch in loader``
+    is."""
+    source = tmp_path / "steps.py"
+    source.write_text(_STEPS)
+    path, step = str(source), 12
+    assert rebound_each_step(path, 7, "outs", step) is True
+    assert rebound_each_step(path, 11, "preds", step) is False
+    assert rebound_each_step(path, 10, "hist", step) is False
+    assert rebound_each_step(path, 8, "x", step) is True
+    assert rebound_each_step(path, 7, "outs") is False  # no step line: the innermost loop

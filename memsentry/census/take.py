@@ -388,6 +388,13 @@ def _feed(holder: Holder, where: Location | None, source: str | None) -> Feed | 
     return feeding_call(source, where.line, hint.files[-1], holder.path[0].name)
 
 
+def _step_line(holder: Holder, source: str | None) -> int | None:
+    """Where the holder's frame stood at the census (the loop's ``optimizer.step()``), when
+    the line that fills it is in that frame's file."""
+    hint = holder.hint
+    return hint.fallback_line if source and hint.files and hint.files[0] == source else None
+
+
 def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
     filled = _where(holder)
     where, source = filled.where, filled.source
@@ -397,7 +404,7 @@ def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
     return HolderStats(
         path=holder.path, kind=holder.kind, scope=holder.scope, where=where,
         added=added, rewrite=rewrite, feed=_feed(holder, where, source),
-        rebound=rebound_each_step(source, line, holder.hint.name),
+        rebound=rebound_each_step(source, line, holder.hint.name, _step_line(holder, source)),
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=graph.nodes,
         graph_saved_bytes=graph.saved, graph_oldest=graph.oldest, graph_newest=graph.newest,

@@ -41,11 +41,13 @@ class HolderStats:
     the line folds a tensor into the holder some other way (``ema = 0.9 * ema + 0.1 *
     loss``), that line adding a number instead; ``feed``, for an attribute filled inside a
     method of the user's class, the call that hands it the value (``losses.update(loss,
-    n)``). ``rebound`` says whether the code binds the holder to a fresh value at that line, or
-    earlier in the body of the loop around it (``x = torch.randn(n, 16)``, ``for x in
-    loader``): a tensor that grows there follows its input and keeps nothing of the step
-    before (``None``: no line found). ``chained`` names the tensor attribute through which
-    its tensors keep others (``prev`` for ``out.prev = last``), ``None`` when none does.
+    n)``). ``rebound`` is ``True`` where the code binds the holder to a fresh value at that
+    line or earlier in the step (``x = torch.randn(n, 16)``, ``for x in loader``, ``outs =
+    []``): what it holds follows the step's input and nothing of the step before;
+    ``False`` where that line builds it from itself or grows it in place (``bank =
+    torch.cat([bank, x])``, ``preds.append(y)``); ``None`` where neither was read.
+    ``chained`` names the tensor attribute through which its tensors keep others (``prev``
+    for ``out.prev = last``), ``None`` when none does.
     """
 
     path: tuple[Step, ...]

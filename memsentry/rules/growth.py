@@ -121,7 +121,10 @@ def memory_growth(report: ReportData) -> list[Finding]:
     heap (CPU's default backend) and the censuses saw the tensors the loop can reach stay
     flat, the growth is not tensor memory: a hint, not a leak. When the allocator's count is
     flat but the process's resident memory climbs, a hint says so and what the readings tell
-    of its source (:mod:`memsentry.rules.resident`). When other threads ran loops in the
+    of its source (:mod:`memsentry.rules.resident`). When every holder that grew between the
+    censuses is rebuilt at each step (a tensor bound afresh, a graph built since the census
+    before), the growth follows the input (a length curriculum): a hint. When other threads
+    ran loops in the
     process and what this loop holds stayed flat, the growth is not judged
     (:func:`growth_note` says so).
     """

@@ -92,7 +92,13 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     """A list, dict, deque or attribute gains tensors (or whole models) at every census.
 
     Worse when they carry ``grad_fn``: each keeps its batch's graph and saved activations.
-    The string keys of one dict are judged together (:func:`_keyed`).
+    The string keys of one dict are judged together (:func:`_keyed`). The census reaches an
+    optimizer's per-parameter state (``opt.state[p]['history']``), the items a branch of
+    ``itertools.tee`` has not read, what C iterators keep, context variables
+    (``seen.get()``), registries of modules (an ``nn.ModuleList`` gaining modules) and tensors
+    chained through attributes (``out.prev = last``). One tensor that grows is not a leak when
+    the loop binds it afresh before filling it (``x = torch.randn(8 + 4 * step, 16)``): it
+    follows its input.
     """
     censuses, table = holder_series(report)
     allocated = steady_growth(after_warmup(report))
@@ -100,8 +106,8 @@ def tensor_accumulation(report: ReportData) -> list[Finding]:
     findings = []
     for path, row in table.items():
         last = latest(row)
-        if last is None or last.bound is not None:
-            continue  # a deque(maxlen=k) cannot pass k: a window, not a leak
+        if last is None or last.bound is not None or last.rebound:
+            continue  # a deque(maxlen=k) cannot pass k; a list made anew each step keeps one
         parent = _parent(path)
         if parent != path:
             keyed.setdefault(parent, []).append(path)

@@ -46,7 +46,9 @@ def retained_graph(report: ReportData) -> list[Finding]:
     """A tensor alive across iteration boundaries whose autograd graph grows: a loss or metric
     summed without ``.item()``, a hidden state never detached, or ``.grad`` tensors built with
     ``create_graph=True``. The graph is a leak even when backward freed its saved tensors: its
-    nodes pile up."""
+    nodes pile up. It must reach back: at some census its oldest node (by autograd's sequence
+    numbers) was already alive at the census before; a graph built anew each step that grows
+    because its input does (a sequence longer at every step) never does."""
     censuses, table = holder_series(report, graphs=True)
     graphs = [_graph_of(censuses, row) for row in table.values()]
     judged = [_judge(graph) for graph in graphs if graph is not None]

@@ -120,6 +120,12 @@ def _score(node: ast.AST, name: str) -> float:
     return 0
 
 
+def fill_score(node: ast.AST, name: str) -> float:
+    """:func:`_score`: 3 where ``node`` builds ``name`` from itself or grows it in place, 1
+    where it binds it, 0.5 where it resets it, 0 where it does neither."""
+    return _score(node, name)
+
+
 def _grows(call: ast.Call, names: Callable[[ast.AST], bool]) -> bool:
     """Whether ``call`` grows a container that ``names`` accepts: a growing method called on
     it (``x.append(y)``) or a function that grows its first argument (``heappush(x, y)``)."""
