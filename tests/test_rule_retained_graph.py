@@ -244,3 +244,19 @@ def test_a_carried_census_does_not_prove_a_graph_reaches_back() -> None:
     taken = list(_aged(censuses(AT, loss), [150, 350, 350, 1050]))
     taken[2] = replace(taken[2], carried=AT[1])
     assert check(RULE, report(censuses=tuple(taken))) == []
+
+
+def test_a_graph_must_keep_more_of_what_outlived_the_census_before() -> None:
+    """A local and a global of one name (`output` in `train()` and the script's demo call)
+    are one holder: its oldest node is the demo's, at every census, while the nodes it keeps
+    from before the census before stay as many (the demo's 20). A summed loss keeps more of
+    them at every census."""
+    def found(kept: list[int]) -> list[Finding]:
+        output = holder_states("output", tensors=1, bytes=4, graph_tensors=1,
+                               graph_nodes=[40, 60, 80, 100], graph_oldest=3,
+                               graph_newest=[150, 350, 550, 750], graph_kept=kept,
+                               scope=TRAIN, where=LINE)
+        return check(RULE, report(censuses=_aged(censuses(AT, output), [150, 350, 550, 750])))
+
+    assert found([0, 20, 20, 20]) == []
+    assert [f.severity for f in found([0, 40, 60, 80])] == [Severity.LEAK]

@@ -51,12 +51,15 @@ _NO_AGE = 1 << 63
 class GraphSize(NamedTuple):
     """What one holder's graph holds: its ``nodes``, the bytes they ``saved`` for backward, and
     the sequence numbers of its ``oldest`` and ``newest`` nodes (``None`` when no node has one:
-    an empty graph, or only gradient accumulators)."""
+    an empty graph, or only gradient accumulators), and how many of its nodes were ``kept``
+    from before the census before (their numbers at or below its newest; ``None`` when that
+    is not known)."""
 
     nodes: int
     saved: int
     oldest: int | None = None
     newest: int | None = None
+    kept: int | None = None
 
 
 def _age(node: Any) -> int | None:
@@ -68,8 +71,8 @@ def _age(node: Any) -> int | None:
     return number if 0 <= number < _NO_AGE else None
 
 
-def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budget
-               ) -> GraphSize:
+def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budget,
+               since: int | None = None) -> GraphSize:
     """The graph reachable from the nodes ``grad_fns`` that no earlier holder claimed
     (``seen`` is updated); saved storages count once per walk, through ``walk``. Graphs have
     their own ``budget``: a huge graph (an LBFGS closure's, kept for every step) cuts the graph
@@ -91,6 +94,7 @@ def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budg
         for child, _index in node.next_functions:
             if child is not None and id(child) not in seen:
                 stack.append(child)
+    kept = None if since is None else sum(age <= since for age in ages)
     if not ages:
-        return GraphSize(nodes, saved)
-    return GraphSize(nodes, saved, min(ages), max(ages))
+        return GraphSize(nodes, saved, kept=kept)
+    return GraphSize(nodes, saved, min(ages), max(ages), kept)

@@ -271,10 +271,12 @@ def take_census(
     budget: float,
     garbage: GarbageStats | None,
     named: Sequence[Named] = (),
+    since: int | None = None,
 ) -> Census:
     """Name the holders of every tensor reachable from the ``named`` objects, the user's
     frames (innermost first), their modules' globals, the model and the user's classes, within
-    ``budget`` seconds."""
+    ``budget`` seconds. ``since``: the newest autograd sequence number the census before saw
+    (each holder counts the nodes of its graph that were alive then)."""
     started = time.perf_counter()
     walk = Walk(Budget(budget), static, skip, live_frames=running_frames(frame))
     for name, obj, role in named:  # first: where both reach a tensor, the user's spelling wins
@@ -288,8 +290,8 @@ def take_census(
         walk.add_class(type(called))
     walk.run()
     graphs = Budget(budget * GRAPH_SHARE)
-    holders = _freeze_holders(walk, graphs)
-    holders += _gradient_holders(walk, modules, graphs)
+    holders = _freeze_holders(walk, graphs, since)
+    holders += _gradient_holders(walk, modules, graphs, since)
     newest = [h.graph_newest for h in holders if h.graph_newest is not None]
     return Census(
         iteration=iteration,
@@ -408,27 +410,28 @@ def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
         items=holder.items, tensors=holder.tensors, bytes=holder.bytes,
         graph_tensors=holder.graph_tensors, graph_nodes=graph.nodes,
         graph_saved_bytes=graph.saved, graph_oldest=graph.oldest, graph_newest=graph.newest,
+        graph_kept=graph.kept,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
         arrays=holder.arrays, nodes=holder.nodes, buffers=holder.buffers,
         container=holder.container, chained=holder.chained,
     )
 
 
-def _freeze_holders(walk: Walk, budget: Budget) -> list[HolderStats]:
+def _freeze_holders(walk: Walk, budget: Budget, since: int | None) -> list[HolderStats]:
     """Each holder with the autograd graph it reaches. A graph two holders reach (a state
     carried into the next iteration and an output of the same call) is credited to the holder
     declared first: the state set up before the loop, not the loop's own output."""
     graphs: dict[int, GraphSize] = {}
     nodes_seen: set[int] = set()
     for holder in sorted(walk.tally.holders.values(), key=walk.declared):
-        graphs[id(holder)] = graph_size(walk, holder.grad_fns, nodes_seen, budget) \
+        graphs[id(holder)] = graph_size(walk, holder.grad_fns, nodes_seen, budget, since) \
             if holder.grad_fns else GraphSize(0, 0)
         holder.grad_fns.clear()
     return [_freeze(holder, graphs[id(holder)]) for holder in walk.tally.holders.values()]
 
 
-def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget
-                      ) -> list[HolderStats]:
+def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget,
+                      since: int | None) -> list[HolderStats]:
     """Parameters whose ``.grad`` carries a ``grad_fn`` (``backward(create_graph=True)``): one
     holder for all of them, named after the first; ``items`` counts them."""
     paths: list[tuple[Step, ...]] = []
@@ -444,13 +447,13 @@ def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: 
                 size += walk.tally.count_bytes(grad)
     if not paths:
         return []
-    graph = graph_size(walk, grad_fns, set(), budget)
+    graph = graph_size(walk, grad_fns, set(), budget, since)
     grad_fns.clear()
     return [
         HolderStats(
             path=paths[0], kind=HolderKind.GRADIENT, scope=None, where=None, items=len(paths),
             tensors=len(paths), bytes=size, graph_tensors=len(paths), graph_nodes=graph.nodes,
             graph_saved_bytes=graph.saved, graph_oldest=graph.oldest,
-            graph_newest=graph.newest,
+            graph_newest=graph.newest, graph_kept=graph.kept,
         )
     ]

@@ -27,7 +27,9 @@ class HolderStats:
     ``graph_saved_bytes`` the tensors those nodes keep for backward; ``graph_oldest`` and
     ``graph_newest`` are the autograd sequence numbers of its oldest and newest nodes (``None``
     when not read: a graph that outlives the census before it has an oldest node at or below
-    that census's :attr:`Census.graph_newest`). ``bound`` is the most
+    that census's :attr:`Census.graph_newest`); ``graph_kept`` counts its nodes that were
+    alive at the census before (numbers at or below that census's newest; ``None`` when not
+    read). ``bound`` is the most
     items the container can hold (a ``deque``'s ``maxlen``), ``None`` when unbounded.
     ``shared_bytes``: of its ``bytes``, those another holder reaches too. ``arrays`` counts
     the NumPy arrays under it (their memory is in ``bytes``: a ``tensor.numpy()`` view as its
@@ -62,6 +64,7 @@ class HolderStats:
     graph_saved_bytes: int = 0
     graph_oldest: int | None = None
     graph_newest: int | None = None
+    graph_kept: int | None = None
     modules: int = 0
     bound: int | None = None
     shared_bytes: int = 0

@@ -108,6 +108,7 @@ class CensusSchedule:
                     budget=self.budget,
                     garbage=garbage,
                     named=named,
+                    since=self.censuses[-1].graph_newest if self.censuses else None,
                 )
         except Exception as exc:  # the user's loop must go on whatever the search meets
             self.errors.append(

@@ -223,10 +223,18 @@ def trend(censuses: Sequence[Census], row: Sequence[T | None],
 
 
 def reaches_back(censuses: list[Census], row: list[HolderStats | None]) -> bool:
-    """Whether the holder's graph outlived a census: at some census its oldest node is at or
-    below the newest node the census before saw (see ``memsentry.census.graphs``). A graph
-    built anew every step (a loss whose input grows longer) never does. Where no census read
-    the ages (a report of an older memsentry, or built by hand), it is taken to."""
+    """Whether the holder's graph grows with what outlived a census: the nodes it kept from
+    before the census before (``graph_kept``) climb, as a sum carried from step to step
+    keeps every earlier step's graph. A graph built anew every step (a loss whose input grows
+    longer) keeps none; one that holds an old graph of a fixed size beside this step's (two
+    variables of one name) keeps as many. Where only the ages were read, at some census the
+    oldest node is at or below the newest node the census before saw (see
+    ``memsentry.census.graphs``); where neither was (a report of an older memsentry, or
+    built by hand), it is taken to."""
+    kept = [h.graph_kept if h is not None and c.carried is None else None
+            for h, c in zip(row, censuses, strict=True)]
+    if any(k is not None for k in kept):
+        return trend(censuses, row, lambda h: h.graph_kept or 0).climbs()
     read = False
     for position in range(1, len(row)):
         holder, census = row[position], censuses[position]
