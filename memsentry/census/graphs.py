@@ -62,13 +62,13 @@ class GraphSize(NamedTuple):
     kept: int | None = None
 
 
-def _age(node: Any) -> int | None:
-    """The node's sequence number, or ``None`` where it has none that orders it."""
+def _age(node: Any) -> int:
+    """The node's sequence number, or -1 where it has none that orders it."""
     try:
         number = node._sequence_nr()
     except Exception:  # a node type without one
-        return None
-    return number if 0 <= number < _NO_AGE else None
+        return -1
+    return number if 0 <= number < _NO_AGE else -1
 
 
 def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budget,
@@ -86,14 +86,23 @@ def graph_size(walk: Walk, grad_fns: Iterable[Any], seen: set[int], budget: Budg
             continue
         seen.add(id(node))
         nodes += 1
-        age = _age(node)
-        if age is not None:
-            ages.append(age)
+        ages.append(_age(node))
         for tensor in saved_tensors(node):
             saved += walk.tally.count_bytes(tensor)
-        for child, _index in node.next_functions:
-            if child is not None and id(child) not in seen:
-                stack.append(child)
+        stack.extend(_inputs(node, seen))
+    return _sized(nodes, saved, ages, since)
+
+
+def _inputs(node: Any, seen: set[int]) -> list[Any]:
+    """The nodes ``node`` passes gradients to that no walk has met yet."""
+    return [child for child, _index in node.next_functions
+            if child is not None and id(child) not in seen]
+
+
+def _sized(nodes: int, saved: int, ages: list[int], since: int | None) -> GraphSize:
+    """The graph's figures, with the span of its nodes' ``ages`` (-1: none) and how many are
+    at or below ``since``."""
+    ages = [age for age in ages if age >= 0]
     kept = None if since is None else sum(age <= since for age in ages)
     if not ages:
         return GraphSize(nodes, saved, kept=kept)

@@ -354,14 +354,18 @@ def _where(holder: Holder) -> FilledAt:
     its root (``q.put(x)``); else the fallback line (where its frame stood)."""
     hint = holder.hint
     user = [path for path in hint.files if not is_library_file(path)]
-    found = _growth_in(user, holder.chained, None) if holder.chained else None
-    if found is None:
-        found = _growth_in(user, hint.name, hint.function_line)
+    found = _chained_line(holder, user) or _growth_in(user, hint.name, hint.function_line)
     if found is None and _filled_by_library(holder, user):
         found = _growth_in(user[-1:], holder.path[0].name, None)
     if found is None and hint.files and hint.fallback_line is not None:
         found = FilledAt(Location(short_path(hint.files[0]), hint.fallback_line), hint.files[0])
     return found or _NOWHERE
+
+
+def _chained_line(holder: Holder, user: list[str]) -> FilledAt | None:
+    """For tensors chained through an attribute, the line that sets it (``out.prev =
+    last``)."""
+    return _growth_in(user, holder.chained, None) if holder.chained else None
 
 
 def _growth_in(files: list[str], name: str, function_line: int | None) -> FilledAt | None:

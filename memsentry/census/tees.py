@@ -66,11 +66,19 @@ def _values(block: Any) -> tuple[list[Any], Any | None] | None:
     numread = _int(block, _HEAD + _POINTER)
     nextlink = _pointer(block, _HEAD + _POINTER + 8)
     start = 1 if source else 0
-    if not 0 <= numread <= LINKCELLS or len(refs) != start + numread + (1 if nextlink else 0):
-        return None
-    if (source and id(refs[0]) != source) or (nextlink and id(refs[-1]) != nextlink):
+    if not _matches(refs, source, numread, nextlink):
         return None
     return refs[start:start + numread], refs[-1] if nextlink else None
+
+
+def _matches(refs: list[Any], source: int, numread: int, nextlink: int) -> bool:
+    """Whether what the layout gives (the source's and the next block's addresses, the items
+    read) is what the garbage collector lists: ``source``, ``numread`` items, ``nextlink``."""
+    if not 0 <= numread <= LINKCELLS:
+        return False
+    if len(refs) != (1 if source else 0) + numread + (1 if nextlink else 0):
+        return False
+    return not (source and id(refs[0]) != source) and not (nextlink and id(refs[-1]) != nextlink)
 
 
 def tee_items(tee: Any) -> list[Any]:

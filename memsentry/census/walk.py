@@ -193,9 +193,7 @@ class Walk:
         """Tensors, NumPy arrays, autograd nodes, functools caches, byte buffers and
         suspended generators, each in its own way; whether ``obj`` was one of them."""
         if isinstance(obj, torch.Tensor):
-            self.tally.tensor(item, obj)
-            if type(obj) is torch.Tensor:
-                self._enqueue_tensor_attributes(item, obj)
+            self._visit_tensor(item, obj)
             return True
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(obj, numpy.ndarray) and not obj.dtype.hasobject:
@@ -216,6 +214,12 @@ class Walk:
                                        suspended_locals(obj, self.live_frames))
             return True
         return False
+
+    def _visit_tensor(self, item: Item, tensor: torch.Tensor) -> None:
+        """A tensor, counted; a plain one's attributes walked (a subclass's are its own)."""
+        self.tally.tensor(item, tensor)
+        if type(tensor) is torch.Tensor:
+            self._enqueue_tensor_attributes(item, tensor)
 
     def _enqueue_tensor_attributes(self, item: Item, tensor: torch.Tensor) -> None:
         """Values set on a plain tensor as attributes (``out.prev = last``) belong to the
@@ -249,10 +253,18 @@ class Walk:
             self._visit_container(item, obj)
         elif isinstance(obj, TEE):
             self._visit_tee(item, obj)
-        elif isinstance(obj, torch.optim.Optimizer) or not _torch_internal(obj):
-            if isinstance(obj, MODULE_CONTAINERS) and not item.frozen:
-                self.tally.module_container(item, obj)
-            self._visit_instance(item, obj)
+        else:
+            self._visit_object(item, obj)
+
+    def _visit_object(self, item: Item, obj: Any) -> None:
+        """An object (a module, an optimizer, the user's own): its attributes; a registry of
+        modules also counted by its length. Torch's other objects keep nothing of the
+        user's."""
+        if not isinstance(obj, torch.optim.Optimizer) and _torch_internal(obj):
+            return
+        if isinstance(obj, MODULE_CONTAINERS) and not item.frozen:
+            self.tally.module_container(item, obj)
+        self._visit_instance(item, obj)
 
     def _visit_container(self, item: Item, obj: Any) -> None:
         """A list, dict, set, deque...: its length is the holder's; a long one's items are

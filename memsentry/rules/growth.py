@@ -161,43 +161,10 @@ def _allocated_growth(report: ReportData, complete: list[IterationStats],
         "summed without .item(), outputs appended to lists or dicts, tensors stored on "
         "modules or loggers, and state carried across iterations without .detach()"
     )
-    severity = Severity.LEAK
-    reached = _reachable_growth(report) if report.measured == Measured.HEAP else None
-    put_off = report.cost.censuses_deferred if report.cost is not None else 0
-    if reached is None and put_off and report.measured == Measured.HEAP:
-        # The censuses that would say whether tensors grow were put off by the cost budget:
-        # heap growth alone (allocator bookkeeping, caches) is no proof of a leak.
-        severity = Severity.HINT
-        message += (
-            f"; this counts the whole process heap, and the holder searches that would show "
-            f"whether tensors grow were put off to keep memsentry's budget ({put_off} "
-            "waited), so it is not judged a leak"
-        )
-        fix = (
-            "run longer (the searches come as the budget allows), or with "
-            "track(overhead=None) to take each when due, or measure tensor storages only "
-            "with track(exact=True) (`memsentry run --exact`)"
-        )
-    elif (rebuilt := _step_local(report)) is not None:
-        severity = Severity.HINT
-        names = ", ".join(f"`{name}`" for name in rebuilt[:4])
-        message += (
-            f"; the holders that grew ({names}) are rebuilt at every step: their size follows "
-            "the input (a longer sequence, a larger batch) and nothing is kept from one step "
-            "to the next, so it is not judged a leak"
-        )
-        fix = (
-            "nothing to fix if the inputs grow by design (a length curriculum, a growing "
-            "batch); if they should not, check how batches are built"
-        )
-    elif reached is not None and reached[0] < MIN_TENSOR_SHARE * rate:
-        severity = Severity.HINT
-        message += (
-            f"; but this counts the whole process heap, and the tensors your code can reach "
-            f"grew {format_bytes(round(max(reached[0], 0)), signed=True)}/iter over "
-            f"{reached[1]} censuses"
-        )
-        message, fix = _not_tensors(message, complete, rate)
+    hint = _not_a_leak(report, complete, rate, message)
+    severity = Severity.LEAK if hint is None else Severity.HINT
+    if hint is not None:
+        message, fix = hint
     return [
         Finding(
             rule=RULE_ID,
@@ -210,6 +177,45 @@ def _allocated_growth(report: ReportData, complete: list[IterationStats],
             iteration=last.index,
         )
     ]
+
+
+def _not_a_leak(report: ReportData, complete: list[IterationStats], rate: float,
+                message: str) -> tuple[str, str] | None:
+    """(the message, the fix) of a growth that is not judged a leak, else ``None``: on the
+    process heap, the holder searches were put off; every holder that grew is rebuilt at
+    each step; or the tensors the censuses reached grew far less than the heap."""
+    heap = report.measured == Measured.HEAP
+    reached = _reachable_growth(report) if heap else None
+    put_off = report.cost.censuses_deferred if report.cost is not None else 0
+    if reached is None and put_off and heap:
+        # The censuses that would say whether tensors grow were put off by the cost budget:
+        # heap growth alone (allocator bookkeeping, caches) is no proof of a leak.
+        return (
+            f"{message}; this counts the whole process heap, and the holder searches that "
+            f"would show whether tensors grow were put off to keep memsentry's budget "
+            f"({put_off} waited), so it is not judged a leak",
+            "run longer (the searches come as the budget allows), or with "
+            "track(overhead=None) to take each when due, or measure tensor storages only "
+            "with track(exact=True) (`memsentry run --exact`)",
+        )
+    rebuilt = _step_local(report)
+    if rebuilt is not None:
+        names = ", ".join(f"`{name}`" for name in rebuilt[:4])
+        return (
+            f"{message}; the holders that grew ({names}) are rebuilt at every step: their "
+            "size follows the input (a longer sequence, a larger batch) and nothing is kept "
+            "from one step to the next, so it is not judged a leak",
+            "nothing to fix if the inputs grow by design (a length curriculum, a growing "
+            "batch); if they should not, check how batches are built",
+        )
+    if reached is not None and reached[0] < MIN_TENSOR_SHARE * rate:
+        message += (
+            f"; but this counts the whole process heap, and the tensors your code can reach "
+            f"grew {format_bytes(round(max(reached[0], 0)), signed=True)}/iter over "
+            f"{reached[1]} censuses"
+        )
+        return _not_tensors(message, complete, rate)
+    return None
 
 
 __all__ = ["MIN_ITERATIONS", "RULE_ID", "WARMUP", "growth_note", "memory_growth"]

@@ -169,17 +169,6 @@ _FIXES = {
 def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
     """The fix for a holder that accumulates ``what`` (its ``_noun``); ``default``: it is a
     function's mutable default argument."""
-    if last.container == "lru_cache":
-        return (
-            f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "
-            f"`{base_name(last)}.cache_clear()` each epoch, and do not key it by what "
-            "changes every step (the step, the batch); cache `.detach()`ed or CPU tensors"
-        )
-    if last.root in IPYTHON_HISTORY:
-        return (
-            "end such cells with `;` (or assign the result), drop kept results with "
-            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
-        )
     place = _place_fix(last)
     if place is not None:
         return place
@@ -213,9 +202,27 @@ def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
 
 
 def _place_fix(last: HolderStats) -> str | None:
-    """The fix where the holder is a registry of modules, a tee, an optimizer's state, a
-    context variable or a chain of tensors; ``None`` for other holders."""
+    """The fix where the holder is a function's cache, IPython's output history, a registry
+    of modules, a tee, an optimizer's state, a context variable or a chain of tensors;
+    ``None`` for other holders."""
     base = base_name(last)
+    if last.container == "lru_cache":
+        return (
+            f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "
+            f"`{base}.cache_clear()` each epoch, and do not key it by what "
+            "changes every step (the step, the batch); cache `.detach()`ed or CPU tensors"
+        )
+    if last.root in IPYTHON_HISTORY:
+        return (
+            "end such cells with `;` (or assign the result), drop kept results with "
+            "`%reset -f out`, or turn the cache off (`%config InteractiveShell.cache_size = 0`)"
+        )
+    return _registry_fix(last, base)
+
+
+def _registry_fix(last: HolderStats, base: str) -> str | None:
+    """:func:`_place_fix` for registries of modules, tees, an optimizer's state, context
+    variables and chains of tensors."""
     if last.container in MODULE_CONTAINERS:
         return (f"build `{base}` once, before the loop, and reuse its modules; a module tried "
                 "for one step belongs in a local that goes out of scope, and one meant to be "

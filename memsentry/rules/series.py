@@ -222,7 +222,7 @@ def trend(censuses: Sequence[Census], row: Sequence[T | None],
     )
 
 
-def reaches_back(censuses: list[Census], row: list[HolderStats | None]) -> bool:
+def reaches_back(censuses: Sequence[Census], row: Sequence[HolderStats | None]) -> bool:
     """Whether the holder's graph grows with what outlived a census: the nodes it kept from
     before the census before (``graph_kept``) climb, as a sum carried from step to step
     keeps every earlier step's graph. A graph built anew every step (a loss whose input grows
@@ -231,10 +231,15 @@ def reaches_back(censuses: list[Census], row: list[HolderStats | None]) -> bool:
     oldest node is at or below the newest node the census before saw (see
     ``memsentry.census.graphs``); where neither was (a report of an older memsentry, or
     built by hand), it is taken to."""
-    kept = [h.graph_kept if h is not None and c.carried is None else None
-            for h, c in zip(row, censuses, strict=True)]
-    if any(k is not None for k in kept):
+    if any(h is not None and h.graph_kept is not None for h in row):
         return trend(censuses, row, lambda h: h.graph_kept or 0).climbs()
+    return _oldest_reaches_back(censuses, row)
+
+
+def _oldest_reaches_back(censuses: Sequence[Census], row: Sequence[HolderStats | None]
+                         ) -> bool:
+    """:func:`reaches_back` from the ages alone (the oldest node against the newest the
+    census before saw); ``True`` where no census read them."""
     read = False
     for position in range(1, len(row)):
         holder, census = row[position], censuses[position]

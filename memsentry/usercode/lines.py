@@ -177,14 +177,21 @@ def _key_score(node: ast.AST, key: str) -> float:
         return 3 if _reads_key(node.target, key) else 0
     if isinstance(node, ast.Call):
         return 3 if _grows(node, lambda target: _reads_key(target, key)) else 0
-    if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
-        return 0
+    if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+        return _key_assignment_score(node, node.value, key)
+    return 0
+
+
+def _key_assignment_score(node: ast.Assign | ast.AnnAssign, value: ast.expr, key: str
+                          ) -> float:
+    """:func:`_key_score` of an assignment: 3 where it sets the key from itself, 1 where it
+    sets it, 0.5 where it resets it, 0 where it does not set it."""
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     if not any(_reads_key(target, key) for target in targets):
         return 0
-    if any(_reads_key(sub, key) for sub in ast.walk(node.value)):
+    if any(_reads_key(sub, key) for sub in ast.walk(value)):
         return 3
-    return 0.5 if isinstance(node.value, _RESETS) and not _filled(node.value) else 1
+    return 0.5 if isinstance(value, _RESETS) and not _filled(value) else 1
 
 
 def _assignment_score(node: ast.Assign | ast.AnnAssign, name: str) -> float:

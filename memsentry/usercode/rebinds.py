@@ -134,17 +134,23 @@ def _fresh(node: ast.AST, name: str, loop: Loop | None, body: list[ast.AST],
     assignment of a value that neither reads ``name`` nor aliases what outlives the step."""
     if isinstance(node, ast.For | ast.AsyncFor):
         return node is loop and _binds(node.target, name)
+    value = _bound_value(node, name)
+    if value is None or _reads(value, name):
+        return False
+    base = _aliased(value)
+    return base is None or (depth > 0 and base != name and any(
+        _fresh(other, base, loop, body, depth - 1) for other in body))
+
+
+def _bound_value(node: ast.AST, name: str) -> ast.expr | None:
+    """The value an assignment binds ``name`` to, or ``None`` where it does not bind it."""
     if isinstance(node, ast.Assign):
         targets, value = node.targets, node.value
     elif isinstance(node, ast.AnnAssign) and node.value is not None:
         targets, value = [node.target], node.value
     else:
-        return False
-    if not any(_binds(target, name) for target in targets) or _reads(value, name):
-        return False
-    base = _aliased(value)
-    return base is None or (depth > 0 and base != name and any(
-        _fresh(other, base, loop, body, depth - 1) for other in body))
+        return None
+    return value if any(_binds(target, name) for target in targets) else None
 
 
 def _aliased(value: ast.AST) -> str | None:
