@@ -148,12 +148,48 @@ def test_front_loaded_growth_with_nothing_to_copy_says_nothing() -> None:
 
 
 def test_growth_made_of_one_jump_is_not_still_growing() -> None:
-    """More than ``MAX_JUMP`` of the growth in one step is one event, not a leak."""
-    total = 64 * MiB
-    step = int(MAX_JUMP * total) + MiB
-    rest = (total - step) // 6
-    jumpy = [rest * i for i in range(6)] + [rest * 5 + step, total]
-    assert _found(*_pair(jumpy)) == []
+    """Steps of 10, 10 and 5 MiB and one of 26 MiB, under ``EVENT_TIMES`` times their median
+    and so not an event: more than ``MAX_JUMP`` of the growth in that step is one
+    event, not a leak; a step of a MiB less is growth still going on."""
+    def jumping(jump: int) -> list[int]:
+        steps = [10 * MiB, 10 * MiB, 0, jump, 0, 5 * MiB]
+        return list(itertools.accumulate(steps, initial=0))
+
+    at_most = int(MAX_JUMP / (1 - MAX_JUMP) * 25 * MiB)  # the jump's share is MAX_JUMP
+    assert at_most + MiB < EVENT_TIMES * 10 * MiB
+    assert jumping(at_most)[-1] > MIN_TOTAL
+    assert _found(*_pair(jumping(at_most + MiB))) == []
+    assert [f.severity for f in _found(*_pair(jumping(at_most)))] == [Severity.LEAK]
+
+
+def test_an_event_larger_than_the_growth_still_leaves_a_leak_that_climbs() -> None:
+    """A CI run's readings (KiB, 2026-11-28): each worker of a caching dataset gained 217 and
+    197 MiB in one step at its 26th reading, more than ``MAX_JUMP`` of all it gained, beside
+    125 and 142 MiB over its other 32 steps. That step counted as a typical one, what the
+    workers gained still climbs through the later half: a leak (the later half's share of
+    it, 36%, is 32% when the step counts as nothing)."""
+    first = [13144, 29952, 39336, 42720, 48044, 48060, 48060, 48064, 48064, 62548, 74256,
+             78808, 82972, 82972, 82972, 82972, 82972, 97544, 109060, 109792, 117556, 117780,
+             117780, 117780, 117780, 128724, 346076, 346076, 346076, 347072, 355344, 355344,
+             355344, 355344]
+    second = [14508, 29556, 38744, 38740, 45688, 45780, 45780, 45780, 45784, 63356, 72060,
+              72060, 79016, 79016, 79016, 79016, 79016, 96588, 105300, 105284, 109232,
+              112260, 112260, 112260, 112260, 135580, 332492, 341572, 347768, 348480,
+              348480, 348480, 348480, 348484]
+    workers = [worker([k * 1024 for k in private], pid=4000 + n, worker=n)
+               for n, private in enumerate((first, second))]
+    (finding,) = _found(*workers)
+    assert finding.severity is Severity.LEAK
+    assert "still growing through the later half of the run" in finding.message
+
+
+def test_an_event_with_little_growth_of_its_own_says_nothing() -> None:
+    """One step copies 90 MiB into each worker, and the others add a MiB or less: what the
+    workers gained by themselves is under ``MIN_TOTAL``, and no verdict is built on the
+    event."""
+    steps = [MiB // 2, MiB, MiB // 4, 90 * MiB, MiB // 2, 0, MiB // 4]
+    private = list(itertools.accumulate(steps, initial=0))
+    assert _found(*_pair(private)) == []
 
 
 def _epochs(per_epoch: int, epochs: int, *, event: int = 0, at: int = 0) -> list[int]:
@@ -168,8 +204,8 @@ def _epochs(per_epoch: int, epochs: int, *, event: int = 0, at: int = 0) -> list
 def test_a_leak_still_grows_when_a_full_collection_copied_the_heap_midway() -> None:
     """The worker's first full collection copies all the pages it inherited in one step (90
     MiB beside 32 MiB an epoch, a step between readings at the run's middle, as a worker
-    forked from a pytest process that ran other tests did): that step is an event, left out,
-    and what is left still climbs through the later half."""
+    forked from a pytest process that ran other tests did): that step is an event, counted as
+    a typical one, and what the worker gained still climbs through the later half."""
     private = _epochs(32 * MiB, 4, event=90 * MiB, at=16)
     (finding,) = _found(*_pair(private))
     assert finding.severity is Severity.LEAK
@@ -179,7 +215,8 @@ def test_a_leak_still_grows_when_a_full_collection_copied_the_heap_midway() -> N
 def test_an_event_is_a_step_past_event_times_the_median_growing_step() -> None:
     """Ten steps of 6 MiB and one more, beside a cache and 49 MiB of records (a leak past
     81 MiB of a worker's own growth): a step of ``EVENT_TIMES`` times 6 MiB is growth and
-    makes 84 MiB; a byte more is an event, left out, and 60 MiB is within the records' copy."""
+    makes 84 MiB; a byte more is an event, counted as 6 MiB, and 66 MiB is within the records'
+    copy."""
     def with_step(step: int) -> list[Finding]:
         steps = [6 * MiB] * 5 + [step] + [6 * MiB] * 5
         private = list(itertools.accumulate(steps, initial=0))
