@@ -13,6 +13,7 @@ import contextvars
 import heapq
 import inspect
 import itertools
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -235,12 +236,78 @@ def test_a_registry_of_modules_that_grows_is_named(
     assert leak.subject.name == name
     assert f"gains 1 {noun}/iter" in leak.message, leak.message
     assert "opt.add_param_group" in leak.fix
+    # The optimizer trains `model.body` only: the census counts the parameters it never sees.
+    assert re.search(r"; \d+ parameters under it are in no optimizer's `param_groups`: no "
+                     r"step trains them", leak.message), leak.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modules_added_to_the_optimizer_as_well_are_said_to_be_trained(mode: str) -> None:
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def grow(step: int) -> None:
+        head = nn.Linear(32, 32)
+        net.adapters.append(head)
+        opt.add_param_group({"params": head.parameters()})
+
+    leak = _only_leak(_loop(mode, grow, net, opt))
+    assert leak.subject.name == "model.adapters"
+    assert "every parameter under it is in an optimizer's `param_groups`" in leak.message
+    assert "no step trains" not in leak.message
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_registry_of_modules_built_once_is_not_a_leak(mode: str) -> None:
     net = Net()
     _no_leak(_loop(mode, lambda step: None, net, torch.optim.SGD(net.parameters(), lr=0.01)))
+
+
+# -- holders of one name in two scopes ----------------------------------------------------------
+_kept: list[torch.Tensor] = []  # a global that keeps a tensor every step
+
+
+def _keep_globally(step: int) -> None:
+    _kept.append(torch.randn(64, 64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_global_and_a_local_of_one_name_are_two_holders(mode: str) -> None:
+    """A local ``_kept`` of three tensors, replaced in turn, beside the global ``_kept`` that
+    grows: the global is named, as a global, at its own line, not the local's."""
+    def run() -> memsentry.Report:
+        _kept = [torch.zeros(4)] * 3
+
+        def body(step: int) -> None:
+            _keep_globally(step)
+            _kept[step % 3] = torch.randn(4)  # the local: bounded
+
+        return _loop(mode, body)
+
+    _kept.clear()
+    try:
+        leak = _only_leak(run())
+    finally:
+        _kept.clear()
+    assert leak.subject.name == "_kept"
+    assert "a global of" in leak.message, leak.message
+    _at(leak, _keep_globally, "_kept.append(")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_local_that_grows_beside_a_global_of_its_name_is_the_one_named(mode: str) -> None:
+    def run() -> memsentry.Report:
+        _kept: list[torch.Tensor] = []
+        return _loop(mode, lambda step: _kept.append(torch.randn(64, 64)))
+
+    _kept[:] = [torch.zeros(4)] * 3
+    try:
+        leak = _only_leak(run())
+    finally:
+        _kept.clear()
+    assert leak.subject.name == "_kept"
+    assert "a local of run()" in leak.message, leak.message
+    _at(leak, run, "_kept.append(")
 
 
 # -- tensors chained through an attribute ------------------------------------------------------

@@ -401,7 +401,7 @@ def _step_line(holder: Holder, source: str | None) -> int | None:
     return hint.fallback_line if source and hint.files and hint.files[0] == source else None
 
 
-def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
+def _freeze(holder: Holder, graph: GraphSize, untrained: int | None) -> HolderStats:
     filled = _where(holder)
     where, source = filled.where, filled.source
     line = where.line if where else None
@@ -417,7 +417,7 @@ def _freeze(holder: Holder, graph: GraphSize) -> HolderStats:
         graph_kept=graph.kept,
         modules=holder.modules, bound=holder.bound, shared_bytes=holder.shared_bytes,
         arrays=holder.arrays, nodes=holder.nodes, buffers=holder.buffers,
-        container=holder.container, chained=holder.chained,
+        container=holder.container, chained=holder.chained, untrained=untrained,
     )
 
 
@@ -431,7 +431,8 @@ def _freeze_holders(walk: Walk, budget: Budget, since: int | None) -> list[Holde
         graphs[id(holder)] = graph_size(walk, holder.grad_fns, nodes_seen, budget, since) \
             if holder.grad_fns else GraphSize(0, 0)
         holder.grad_fns.clear()
-    return [_freeze(holder, graphs[id(holder)]) for holder in walk.tally.holders.values()]
+    return [_freeze(holder, graphs[id(holder)], walk.tally.untrained(holder))
+            for holder in walk.tally.holders.values()]
 
 
 def _gradient_holders(walk: Walk, modules: list[tuple[str, nn.Module]], budget: Budget,

@@ -48,6 +48,7 @@ class Holder:
     buffers: int = 0
     container: str | None = None
     chained: str | None = None  # the tensor attribute that keeps other tensors
+    registered: list[int] = field(default_factory=list)  # ids of a registry's parameters
     grad_fns: list[Any] = field(default_factory=list)  # where its tensors' graphs begin
 
 
@@ -80,6 +81,9 @@ class Tally:
         self.holders: dict[tuple[Step, ...], Holder] = {}
         #: Each container holder's length, bound and kind (``list``, ``deque``, ``lru_cache``).
         self.items: dict[tuple[Step, ...], tuple[int, int | None, str]] = {}
+        #: The ids of the parameters in the ``param_groups`` of the optimizers met, ``None``
+        #: until one is met.
+        self.optimized: set[int] | None = None
 
     def holder(self, item: Item) -> Holder:
         holder = self.holders.get(item.path)
@@ -129,7 +133,24 @@ class Tally:
             holder.tensors += length
         else:
             holder.modules += length
-        holder.bytes += sum(self.count_bytes(p, holder=holder) for p in container.parameters())
+        parameters = list(container.parameters())
+        holder.registered = [id(p) for p in parameters]
+        holder.bytes += sum(self.count_bytes(p, holder=holder) for p in parameters)
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer met in the walk: the parameters it trains."""
+        if self.optimized is None:
+            self.optimized = set()
+        for group in list(getattr(optimizer, "param_groups", None) or ()):
+            params = group.get("params", ()) if isinstance(group, dict) else ()
+            self.optimized.update(id(p) for p in params)
+
+    def untrained(self, holder: Holder) -> int | None:
+        """How many of a registry's parameters no optimizer met holds; ``None`` when the walk
+        met no optimizer, or the holder is no registry of parameters."""
+        if self.optimized is None or not holder.registered:
+            return None
+        return sum(1 for p in holder.registered if p not in self.optimized)
 
     def chained(self, item: Item, attribute: str) -> None:
         """A tensor of the holder keeps another tensor as its attribute ``attribute``

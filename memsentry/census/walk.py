@@ -98,6 +98,14 @@ def make_step(kind: StepKind, raw: Any) -> Step:
 
 
 
+def _homonym(path: tuple[Step, ...], scope: Scope | None) -> tuple[Step, ...]:
+    """The path of a root spelled as one added before it that is another object (a global
+    ``buf`` beside a local ``buf`` of the loop's function): the same spelling, told apart by
+    its scope, so that the two are two holders, each with its own line."""
+    first = path[0]
+    return (Step(first.kind, first.name, str(scope) if scope else "?"), *path[1:])
+
+
 class Walk:
     """One census walk over everything reachable from the roots added to it.
 
@@ -112,6 +120,7 @@ class Walk:
         self.tally = Tally(static, targets)
         self.seen: set[int] = set(skip)
         self.root_order: dict[tuple[Step, ...], int] = {}  # roots in the order they were added
+        self.root_objects: dict[tuple[Step, ...], int] = {}  # the object first added at a path
         self.classes: set[type] = set()
         self.queue: collections.deque[Item] = collections.deque()
         self.large: collections.deque[Item] = collections.deque()  # walked after the rest
@@ -122,6 +131,8 @@ class Walk:
                  scope: Scope | None, hint: SourceHint) -> None:
         if id(obj) in self.seen or atomic(obj):
             return
+        if self.root_objects.setdefault(path, id(obj)) != id(obj):
+            path = _homonym(path, scope)
         self.root_order.setdefault(path, len(self.root_order))
         self.queue.append(Item(obj, path, kind, scope, hint, 0, False))
 
@@ -264,6 +275,8 @@ class Walk:
             return
         if isinstance(obj, MODULE_CONTAINERS) and not item.frozen:
             self.tally.module_container(item, obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.tally.optimizer(obj)
         self._visit_instance(item, obj)
 
     def _visit_container(self, item: Item, obj: Any) -> None:

@@ -49,7 +49,9 @@ class HolderStats:
     ``False`` where that line builds it from itself or grows it in place (``bank =
     torch.cat([bank, x])``, ``preds.append(y)``); ``None`` where neither was read.
     ``chained`` names the tensor attribute through which its tensors keep others (``prev``
-    for ``out.prev = last``), ``None`` when none does.
+    for ``out.prev = last``), ``None`` when none does. ``untrained``, for a registry of
+    modules or parameters (``nn.ModuleList``...), how many of the parameters under it are in
+    the ``param_groups`` of no optimizer the census met; ``None`` when it met none.
     """
 
     path: tuple[Step, ...]
@@ -77,6 +79,7 @@ class HolderStats:
     feed: Feed | None = None
     rebound: bool | None = None
     chained: str | None = None
+    untrained: int | None = None
 
     @property
     def name(self) -> str:

@@ -70,7 +70,7 @@ def _place_note(last: HolderStats) -> str:
     if last.container in MODULE_CONTAINERS:
         return (f"; it is an `nn.{last.container}`: every module or parameter added stays "
                 "registered with the model (`parameters()`, `state_dict()`, `.to()`) while the "
-                "model lives, and an optimizer made before it never trains them")
+                "model lives" + _training_note(last.untrained))
     if last.container == "tee":
         return ("; it is a branch of `itertools.tee` that reads behind the others (or not at "
                 "all): the tee keeps every item until each branch has read it")
@@ -86,6 +86,19 @@ def _place_note(last: HolderStats) -> str:
         return (f"; they are chained through a tensor attribute (`.{last.chained}`): each "
                 "tensor keeps the one set on it, back to the first")
     return ""
+
+
+def _training_note(untrained: int | None) -> str:
+    """Whether an optimizer trains the parameters of a registry of modules, as the census
+    found them in the optimizers' ``param_groups``."""
+    if untrained is None:
+        return ""
+    if untrained == 0:
+        return ("; every parameter under it is in an optimizer's `param_groups`, which "
+                "keeps it too, with any state the optimizer has for it")
+    return (f"; {untrained:,} parameter{'s' if untrained > 1 else ''} under it "
+            f"{'are' if untrained > 1 else 'is'} in no optimizer's `param_groups`: no step "
+            "trains them")
 
 
 def _cache_note(last: HolderStats) -> str:
