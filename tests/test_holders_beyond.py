@@ -479,6 +479,21 @@ def test_a_bank_concatenated_onto_itself_is_still_a_leak(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_bank_fed_ever_longer_inputs_is_still_a_leak(mode: str) -> None:
+    """The bank grows by more at every step (4 rows more each time): its bytes rise faster
+    and faster, not at one pace, and the line feeds the bank from itself."""
+    bank = torch.zeros(0, 64)
+
+    def grow(step: int) -> None:
+        nonlocal bank
+        bank = torch.cat([bank, torch.randn(1 + 4 * step, 64)])
+
+    leak = _only_leak(_loop(mode, grow))
+    assert leak.rule == "tensor-accumulation" and leak.subject.name == "bank"
+    _at(leak, grow, "bank = torch.cat(")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_loss_summed_with_its_graph_over_longer_sequences_is_still_a_leak(mode: str) -> None:
     torch.manual_seed(0)
     model = Recurrent(nn.LSTM)

@@ -345,6 +345,26 @@ def test_a_tensor_bound_anew_every_step_grows_with_its_input_and_is_not_a_leak()
     assert len(_found(row(None), at=[2, 4, 6, 8, 10])) == 1  # no line read: judged as before
 
 
+def test_a_tensor_built_from_itself_may_grow_faster_and_faster() -> None:
+    """``bank = torch.cat([bank, out])`` where ``out`` is longer at every step: the bank
+    gains more at each census (7, 9, 11, 16, 25 and 43 KiB an iteration, a GRU's outputs over a
+    length curriculum), more than ``GROWING_STEADY`` times apart. Built from itself on the
+    line that fills it, it is a leak; with no line read, rates that far apart are not called
+    one."""
+    sizes = [12288, 19456, 28160, 50176, 112640, 311296, 1003520]
+    at = [2, 3, 4, 6, 10, 18, 34]
+
+    def row(rebound: bool | None) -> list[HolderStats]:
+        return holder_states("bank", tensors=1, bytes=sizes, scope=TRAIN, where=LINE,
+                             rebound=rebound)
+
+    (finding,) = _found(row(False), at=at)
+    assert finding.severity is Severity.LEAK
+    assert "while it keeps 1 tensor" in finding.message
+    assert _found(row(None), at=at) == []
+    assert _found(row(True), at=at) == []
+
+
 def test_a_list_made_anew_each_step_is_not_judged_by_its_length() -> None:
     """``outs = []`` at the top of the step, then one output a time step: longer sequences
     make it longer at every census; it keeps nothing of the step before."""

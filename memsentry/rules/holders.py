@@ -41,6 +41,7 @@ from memsentry.rules.series import (
     last_seen,
     latest,
     per_iteration,
+    rises_throughout,
     sawtooth_note,
     steady_growth,
     trend,
@@ -133,12 +134,14 @@ def _growing(censuses: list[Census], row: Row, allocated: tuple[float, float] | 
     """One tensor whose bytes climb (a bank concatenated onto itself), as its own finding; not
     one the code binds anew every step before it is filled (``x = torch.randn(n, 16)``): it
     grows with its input (a longer sequence, a larger batch) and keeps nothing of the step
-    before."""
+    before. One the line builds from itself grows at any pace: fed ever longer inputs, a bank
+    grows faster and faster."""
     last = latest(row)
     if last is None or last.kind == HolderKind.GRADIENT or last.rebound:
         return []
     size = trend(censuses, row, lambda h: h.bytes)
-    if grows_steadily(size) or _explains_growth(size, allocated):
+    feeds_itself = last.rebound is False and rises_throughout(size)
+    if feeds_itself or grows_steadily(size) or _explains_growth(size, allocated):
         return [_growing_tensor(row, size)]
     return []
 

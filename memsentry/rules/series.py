@@ -128,18 +128,34 @@ GROWING_POINTS = 5
 GROWING_STEADY = 4.0
 
 
-def grows_steadily(size: Trend, points: int = GROWING_POINTS) -> bool:
-    """Bytes that rose at every census of the latest window, steadily (see ``GROWING_*``),
-    over ``points`` censuses at least."""
+def _rising_rates(size: Trend, points: int) -> list[float] | None:
+    """The bytes an iteration gained between censuses of the latest window, when they rose at
+    each of ``points`` censuses at least, by ``GROWING_BYTES`` an iteration over the window;
+    ``None`` otherwise."""
     first, last = size.windows()[-1]
     values, its = size.values[first:last + 1], size.iterations[first:last + 1]
     if len(values) < points or its[-1] == its[0]:
-        return False
+        return None
     rates = [(b - a) / (j - i) for (a, b), (i, j)
              in zip(itertools.pairwise(values), itertools.pairwise(its), strict=True)]
     if min(rates) <= 0 or (values[-1] - values[0]) / (its[-1] - its[0]) < GROWING_BYTES:
-        return False
-    return max(rates) <= GROWING_STEADY * min(rates)
+        return None
+    return rates
+
+
+def grows_steadily(size: Trend, points: int = GROWING_POINTS) -> bool:
+    """Bytes that rose at every census of the latest window, steadily (see ``GROWING_*``),
+    over ``points`` censuses at least."""
+    rates = _rising_rates(size, points)
+    return rates is not None and max(rates) <= GROWING_STEADY * min(rates)
+
+
+def rises_throughout(size: Trend, points: int = GROWING_POINTS) -> bool:
+    """Bytes that rose at every census of the latest window, at any pace, over ``points``
+    censuses at least: enough for a holder whose line builds it from itself (``bank =
+    torch.cat([bank, x])``), which grows faster and faster when what it is fed grows too (a
+    bank of ever longer sequences gained 7 KiB an iteration at first, 42 KiB at the end)."""
+    return _rising_rates(size, points) is not None
 
 
 def growth_rate(trend: Trend) -> float:
