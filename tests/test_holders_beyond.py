@@ -11,10 +11,14 @@ import bisect
 import collections
 import contextvars
 import heapq
+import importlib
 import inspect
 import itertools
+import pathlib
 import re
+import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from torch import nn
 
 import memsentry
 from memsentry import Severity
+from memsentry.census.libraries import packages
 from memsentry.census.tees import tee_items
 
 STEPS = 30
@@ -308,6 +313,79 @@ def test_a_local_that_grows_beside_a_global_of_its_name_is_the_one_named(mode: s
     assert leak.subject.name == "_kept"
     assert "a local of run()" in leak.message, leak.message
     _at(leak, run, "_kept.append(")
+
+
+# -- the state of an installed package --------------------------------------------------------
+_PACKAGE = """
+import collections
+_seen = []
+REGISTRY = {}
+_recent = collections.deque(maxlen=3)
+def remember(t):
+    _seen.append(t)
+def register(key, t):
+    REGISTRY[key] = t
+def note(t):
+    _recent.append(t)
+"""
+
+
+@pytest.fixture
+def package(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A package installed in a ``site-packages`` folder, imported fresh for the test."""
+    name = f"kept_{request.node.name.replace('[', '_').replace(']', '')}"
+    folder = tmp_path / "site-packages" / name
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(_PACKAGE)
+    sys.path.insert(0, str(folder.parent))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder.parent))
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_what_an_installed_package_keeps_in_its_globals_is_named_at_the_users_call(
+        mode: str, package: Any) -> None:
+    def run(lib: Any) -> memsentry.Report:
+        return _loop(mode, lambda step: lib.remember(torch.randn(64, 64)))
+
+    leak = _only_leak(run(package))
+    assert leak.subject.name == "lib._seen", leak.message
+    assert f"a global of the installed package `{package.__name__}`" in leak.message
+    _at(leak, run, "lib.remember(")
+    assert "`.detach().cpu()` copies" in leak.fix
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_function_imported_from_a_package_leads_to_the_global_it_fills(
+        mode: str, package: Any) -> None:
+    register = package.register
+
+    def run() -> memsentry.Report:
+        return _loop(mode, lambda step: register(step, torch.randn(64, 64)))
+
+    leak = _only_leak(run())
+    assert leak.subject.name == "package.REGISTRY", leak.message  # the test names it so
+    _at(leak, run, "register(step,")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_package_that_keeps_the_last_few_is_not_a_leak(mode: str, package: Any) -> None:
+    lib = package
+    _no_leak(_loop(mode, lambda step: lib.note(torch.randn(64, 64))))
+
+
+def test_the_packages_looked_at_are_those_the_users_code_names(package: Any) -> None:
+    """Installed packages a module names, by itself or through a function imported from it;
+    not the standard library nor the machinery (torch, numpy)."""
+    import numpy
+
+    named = packages([({"lib": package, "torch": torch, "np": numpy, "heapq": heapq,
+                        "record": package.remember, "nothing": 3}, None)])
+    assert [(p.module, p.spelled, p.functions) for p in named] == [
+        (package, "lib", {"remember": "record"})]
 
 
 # -- tensors chained through an attribute ------------------------------------------------------

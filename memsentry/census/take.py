@@ -20,6 +20,7 @@ from torch import nn
 
 from memsentry.census.graphs import GraphSize, graph_size
 from memsentry.census.hooks import hook_census
+from memsentry.census.libraries import add_package_state, code_names
 from memsentry.census.registries import add_context_values, add_signal_handlers, exit_callbacks
 from memsentry.census.tally import Holder, SourceHint
 from memsentry.census.walk import (
@@ -54,7 +55,7 @@ from memsentry.usercode.frames import (
     user_frames,
     user_modules,
 )
-from memsentry.usercode.lines import growth_line, short_path
+from memsentry.usercode.lines import attribute_line, growth_line, short_path
 from memsentry.usercode.rebinds import rebound_each_step
 
 
@@ -173,8 +174,10 @@ def _add_handler(walk: Walk, logger: str, index: int, handler: Any) -> None:
 
 
 def _add_frames(walk: Walk, frame: types.FrameType | None,
-                namespaces: dict[int, Namespace]) -> None:
-    """The locals of the user's function frames as roots; their globals into ``namespaces``."""
+                namespaces: dict[int, Namespace], named: list[tuple[dict[str, Any], str | None]]
+                ) -> None:
+    """The locals of the user's function frames as roots; their globals into ``namespaces``,
+    the modules and functions among their locals into ``named`` (with the frame's file)."""
     frames = user_frames(frame)
     try:
         for user_frame in frames:
@@ -188,6 +191,7 @@ def _add_frames(walk: Walk, frame: types.FrameType | None,
                     if name.isidentifier() and id(value) not in defaults:
                         hint = SourceHint(name, (path,), code.co_firstlineno, user_frame.f_lineno)
                         walk.add_root(value, _root(name), HolderKind.LOCAL, scope, hint)
+                named.append((code_names(values), path))
             namespaces.setdefault(
                 id(user_frame.f_globals),
                 Namespace(user_frame.f_globals, user_frame.f_globals.get("__name__", "?"), path),
@@ -242,7 +246,8 @@ def _add_scopes(walk: Walk, frame: types.FrameType | None) -> list[str]:
     running context's variables and the user's signal handlers. Returns the files of those
     modules, the frames' first."""
     namespaces: dict[int, Namespace] = {}
-    _add_frames(walk, frame, namespaces)
+    named: list[tuple[dict[str, Any], str | None]] = []
+    _add_frames(walk, frame, namespaces, named)
     modules = user_modules()
     for module in modules:
         namespaces.setdefault(id(vars(module)), Namespace(
@@ -254,6 +259,7 @@ def _add_scopes(walk: Walk, frame: types.FrameType | None) -> list[str]:
                       SourceHint("last_value"))
     for namespace in namespaces.values():
         add_globals(walk, namespace.globals, namespace.name, namespace.path, classes=True)
+    add_package_state(walk, named + [(n.globals, n.path) for n in namespaces.values()])
     add_context_values(walk, modules)
     add_signal_handlers(walk)
     return [namespace.path for namespace in namespaces.values() if namespace.path]
@@ -351,15 +357,36 @@ def _where(holder: Holder) -> FilledAt:
     """The line of the user's code that fills the holder, with the full path of its file (for
     tensors chained through an attribute, the line that sets it: ``out.prev = last``); for
     an attribute a library's class fills (``queue.Queue``'s ``queue``), the line that grows
-    its root (``q.put(x)``); else the fallback line (where its frame stood)."""
+    its root (``q.put(x)``); for a global of an installed package, see :func:`_package_line`;
+    else the fallback line (where its frame stood)."""
     hint = holder.hint
     user = [path for path in hint.files if not is_library_file(path)]
-    found = _chained_line(holder, user) or _growth_in(user, hint.name, hint.function_line)
-    if found is None and _filled_by_library(holder, user):
-        found = _growth_in(user[-1:], holder.path[0].name, None)
+    found = _package_line(holder, user) if holder.kind == HolderKind.PACKAGE \
+        else _user_line(holder, user)
     if found is None and hint.files and hint.fallback_line is not None:
         found = FilledAt(Location(short_path(hint.files[0]), hint.fallback_line), hint.files[0])
     return found or _NOWHERE
+
+
+def _user_line(holder: Holder, user: list[str]) -> FilledAt | None:
+    """The line of the user's ``user`` files that fills the holder, chains its tensors or,
+    for an attribute a library's class fills, grows its root."""
+    hint = holder.hint
+    found = _chained_line(holder, user) or _growth_in(user, hint.name, hint.function_line)
+    if found is None and _filled_by_library(holder, user):
+        found = _growth_in(user[-1:], holder.path[0].name, None)
+    return found
+
+
+def _package_line(holder: Holder, user: list[str]) -> FilledAt | None:
+    """For a global of an installed package (``lib._seen``), the user's line that fills it
+    itself (``lib._seen.append(x)``); else none here, and the hint's fallback is the call of
+    the package's function that fills it."""
+    for path in user:
+        line = attribute_line(path, holder.path[0].name, holder.hint.name)
+        if line is not None:
+            return FilledAt(Location(short_path(path), line), path)
+    return None
 
 
 def _chained_line(holder: Holder, user: list[str]) -> FilledAt | None:

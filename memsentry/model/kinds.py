@@ -88,6 +88,7 @@ class HolderKind(_Text):
     GRADIENT = "gradient"
     TEST_INSTANCE = "test instance"
     FIXTURE = "fixture"
+    PACKAGE = "package global"  # a global of an installed package the user's code calls
 
 
 class ScopeKind(_Text):

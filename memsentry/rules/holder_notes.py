@@ -4,7 +4,7 @@ a mutable default argument, IPython's output history) and the advice that fits t
 
 from __future__ import annotations
 
-from memsentry.model import HolderStats
+from memsentry.model import HolderKind, HolderStats
 from memsentry.rules.series import base_name
 from memsentry.units import format_bytes
 
@@ -219,6 +219,10 @@ def _place_fix(last: HolderStats) -> str | None:
     of modules, a tee, an optimizer's state, a context variable or a chain of tensors;
     ``None`` for other holders."""
     base = base_name(last)
+    if last.kind == HolderKind.PACKAGE:
+        return (f"hand the package numbers (`.item()`) or `.detach().cpu()` copies, not the "
+                f"step's tensors; empty `{last.name}` between epochs if the package allows "
+                "it, or look in its documentation for a bound or an option that keeps less")
     if last.container == "lru_cache":
         return (
             f"bound the cache (`@functools.lru_cache(maxsize=k)`) or call "

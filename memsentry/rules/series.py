@@ -293,6 +293,9 @@ _REACHED = (HolderKind.LOCAL, HolderKind.GLOBAL, HolderKind.MODEL)
 def _what_holder(holder: HolderStats) -> str:
     """What the holder is, and the root it is held through when that is not itself."""
     kind = _holder_kind(holder)
+    if holder.kind == HolderKind.PACKAGE:
+        package = holder.scope.name if holder.scope else holder.root
+        return f"a global of the installed package `{package}`"
     if len(holder.path) > 1 and holder.kind in _REACHED:
         return f"held through `{holder.root}`, {kind}"
     return kind

@@ -316,6 +316,44 @@ def nodes_by_line(path: str, mtime: float | None) -> dict[int, tuple[ast.AST, ..
     return {line: tuple(found) for line, found in lines.items()}
 
 
+def attribute_line(path: str | None, root: str, name: str) -> int | None:
+    """The line in ``path`` that most likely makes ``root.name`` grow (``lib._seen.append(x)``):
+    :func:`growth_line`'s choice among the lines that spell it so."""
+    if not path:
+        return None
+    spelled = f"{root}.{name}"
+    best, line = 0.0, None
+    for node, _function in nodes(path, mtime(path)):
+        score = _score(node, name)
+        lineno = getattr(node, "lineno", None)
+        if score and lineno is not None and spelled in ast.unparse(node) \
+                and _better(score, lineno, best, line):
+            best, line = score, lineno
+    return line
+
+
+def call_line(path: str | None, callees: set[str]) -> int | None:
+    """The first line in ``path`` that calls one of ``callees`` as written (``fl.remember``,
+    ``register``) with an argument: what the user hands a package's function."""
+    if not path:
+        return None
+    lines = [node.lineno for node, _function in nodes(path, mtime(path))
+             if isinstance(node, ast.Call) and (node.args or node.keywords)
+             and _spelled_call(node) in callees]
+    return min(lines) if lines else None
+
+
+def _spelled_call(call: ast.Call) -> str | None:
+    """``fl.remember`` for ``fl.remember(x)``, ``register`` for ``register(k, x)``;
+    ``None`` for any other callee."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return None
+
+
 def register_line(path: str | None, hook: str) -> int | None:
     """The first line in ``path`` that registers ``hook`` (``x.register_forward_hook(hook)``,
     ``t.register_hook(self.hook)``, any ``register_*hook`` method given that name)."""
