@@ -17,6 +17,7 @@ import itertools
 import pathlib
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -211,6 +212,26 @@ def test_a_dict_in_a_context_variable_grows_and_a_fresh_list_does_not(mode: str)
         return _loop(mode, lambda step: _seen.set([torch.randn(64, 64)]))
 
     _no_leak(contextvars.copy_context().run(fresh))
+
+
+_local = threading.local()
+
+
+def _keep_per_thread(step: int) -> None:
+    if not hasattr(_local, "outs"):
+        _local.outs = []
+    _local.outs.append(torch.randn(64, 64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_list_in_a_threading_local_is_named_through_it(mode: str) -> None:
+    """``threading.local``: what the running thread set on it is walked as its attributes."""
+    try:
+        leak = _only_leak(_loop(mode, _keep_per_thread))
+    finally:
+        del _local.outs
+    assert leak.subject.name == "_local.outs"
+    _at(leak, _keep_per_thread, "_local.outs.append(")
 
 
 # -- registries of modules ---------------------------------------------------------------------
