@@ -310,14 +310,20 @@ def test_a_global_and_a_local_of_one_name_are_two_holders(mode: str) -> None:
 
         return _loop(mode, body)
 
-    _kept.clear()
-    try:
-        leak = _only_leak(run())
-    finally:
-        _kept.clear()
+    leak = _beside_the_global(run, [])
     assert leak.subject.name == "_kept"
     assert "a global of" in leak.message, leak.message
     _at(leak, _keep_globally, "_kept.append(")
+
+
+def _beside_the_global(run: Callable[[], memsentry.Report], kept: list[torch.Tensor]
+                       ) -> memsentry.Finding:
+    """The one LEAK of ``run``, with the global ``_kept`` holding ``kept`` meanwhile."""
+    _kept[:] = kept
+    try:
+        return _only_leak(run())
+    finally:
+        _kept.clear()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -326,11 +332,7 @@ def test_a_local_that_grows_beside_a_global_of_its_name_is_the_one_named(mode: s
         _kept: list[torch.Tensor] = []
         return _loop(mode, lambda step: _kept.append(torch.randn(64, 64)))
 
-    _kept[:] = [torch.zeros(4)] * 3
-    try:
-        leak = _only_leak(run())
-    finally:
-        _kept.clear()
+    leak = _beside_the_global(run, [torch.zeros(4)] * 3)
     assert leak.subject.name == "_kept"
     assert "a local of run()" in leak.message, leak.message
     _at(leak, run, "_kept.append(")
