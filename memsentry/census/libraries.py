@@ -49,7 +49,7 @@ def code_names(namespace: dict[str, Any]) -> dict[str, Any]:
     """The modules and functions among a frame's locals (``import fakelib`` inside
     ``main()``), kept past the frame's release for :func:`packages`."""
     return {name: value for name, value in namespace.items()
-            if isinstance(value, types.ModuleType | types.FunctionType)}
+            if issubclass(type(value), types.ModuleType | types.FunctionType)}
 
 
 def _third_party(module: Any) -> bool:
@@ -64,10 +64,11 @@ def _named(namespace: dict[str, Any]) -> Iterator[tuple[str, Any, str | None]]:
     ``None`` for the module itself) for each global bound to a package or one of its
     functions."""
     for name, value in list(namespace.items()):
-        if isinstance(value, types.ModuleType):
+        kind = type(value)  # not isinstance: it asks a dead weakref.proxy for its class
+        if issubclass(kind, types.ModuleType):
             if _third_party(value):
                 yield name, value, None
-        elif isinstance(value, types.FunctionType):
+        elif issubclass(kind, types.FunctionType):
             module = _module_of(value)
             if module is not None and _third_party(module):
                 yield name, module, value.__name__

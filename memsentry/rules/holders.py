@@ -34,6 +34,7 @@ from memsentry.rules.series import (
     after_warmup,
     base_name,
     describe_holder,
+    grows_faster,
     grows_steadily,
     growth_rate,
     held_count,
@@ -41,7 +42,6 @@ from memsentry.rules.series import (
     last_seen,
     latest,
     per_iteration,
-    rises_throughout,
     sawtooth_note,
     steady_growth,
     trend,
@@ -140,7 +140,7 @@ def _growing(censuses: list[Census], row: Row, allocated: tuple[float, float] | 
     if last is None or last.kind == HolderKind.GRADIENT or last.rebound:
         return []
     size = trend(censuses, row, lambda h: h.bytes)
-    feeds_itself = last.rebound is False and rises_throughout(size)
+    feeds_itself = last.rebound is False and grows_faster(size)
     if feeds_itself or grows_steadily(size) or _explains_growth(size, allocated):
         return [_growing_tensor(row, size)]
     return []
