@@ -3,9 +3,11 @@
 A package can keep what it is handed in its own globals (a registry dict, a list of every
 value it was given, an ``lru_cache`` on a function of tensors). Walking every module of
 ``sys.modules`` costs tens of milliseconds a census (86 ms with torch and transformers
-loaded, against 1.3 to 4 ms for a whole census), so only the packages the user's modules
-name are looked at: one bound to a global (``import fakelib``, ``import fakelib as fl``),
-or the module of a function imported from one (``from fakelib import register``). Of those,
+loaded, against 1.3 to 4 ms for a whole census), so only the packages named by the code
+running (the frames on the stack and their modules) are looked at: one bound to a name
+(``import fakelib``, ``import fakelib as fl``), or the module of a function imported from
+one (``from fakelib import register``); a test suite's other modules (which import
+hypothesis or radon) do not add theirs to every census. Of those,
 only the containers and function caches among their globals are roots, named as the user
 spells the module (``fl._seen``); the line given is the user's call of the package's
 function that touches that global (``fl.remember(out)``). Frameworks and the scientific

@@ -248,6 +248,9 @@ def _add_scopes(walk: Walk, frame: types.FrameType | None) -> list[str]:
     namespaces: dict[int, Namespace] = {}
     named: list[tuple[dict[str, Any], str | None]] = []
     _add_frames(walk, frame, namespaces, named)
+    # The packages looked at are those the running code names (its frames and their
+    # modules), not every module's: a test suite's other modules import hypothesis, radon...
+    named += [(n.globals, n.path) for n in namespaces.values()]
     modules = user_modules()
     for module in modules:
         namespaces.setdefault(id(vars(module)), Namespace(
@@ -259,7 +262,7 @@ def _add_scopes(walk: Walk, frame: types.FrameType | None) -> list[str]:
                       SourceHint("last_value"))
     for namespace in namespaces.values():
         add_globals(walk, namespace.globals, namespace.name, namespace.path, classes=True)
-    add_package_state(walk, named + [(n.globals, n.path) for n in namespaces.values()])
+    add_package_state(walk, named)
     add_context_values(walk, modules)
     add_signal_handlers(walk)
     return [namespace.path for namespace in namespaces.values() if namespace.path]
