@@ -174,7 +174,12 @@ class FailingAdam(torch.optim.Adam):
         return super().step()
 
 
-def test_an_error_in_the_optimizer_step_shows_gradients_and_state() -> None:
+@pytest.mark.parametrize("overdrawn", [False, True], ids=["measured", "budget-spent"])
+def test_an_error_in_the_optimizer_step_shows_gradients_and_state(
+        overdrawn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if overdrawn:  # a loaded machine: the budget measures no call after the first iteration
+        from memsentry.record.budget import Budget
+        monkeypatch.setattr(Budget, "overdrawn", lambda self: True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
     error, report = run(model, FailingAdam(model.parameters()), tracked=True)

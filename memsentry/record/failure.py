@@ -159,11 +159,15 @@ def _where(error: BaseException, watch: FailureWatch, sampler: Sampler, calls: C
            ) -> tuple[Phase, str | None, Moment, int]:
     """(phase, layer, the moment memory was read, the total then) of an out-of-memory error:
     as a module's post-hook saw it go by, else read now, in the phase its traceback shows; in
-    a forward, the layer is the innermost module call the traceback holds."""
+    a forward, the layer is the innermost module call the traceback holds. Read now, the parts
+    are read in full."""
     if watch.seen(error) and watch.moment is not None:
         phase, layer, moment, total = Phase.FORWARD, watch.layer, watch.moment, watch.total
     else:
         phase = phase_of(error.__traceback__)
+        # Read in full: the iteration may not have (the budget measured none of its
+        # backward, so no gradient was counted), and a failure is read once.
+        sampler.parts.read_all()
         total, moment = sampler.sample(), sampler.moment()
         layer = moment.layer if phase is Phase.BACKWARD else None
         if phase is Phase.BETWEEN and calls.layer is not None:
