@@ -146,9 +146,10 @@ def _receiver(target: ast.AST) -> ast.AST:
     return target
 
 
+@functools.lru_cache(maxsize=1024)
 def string_key(name: str) -> str | None:
     """The string key a holder's name ends with (``history`` for ``state[p]['history']``),
-    or ``None``."""
+    or ``None``. Cached: a file's every node is scored against the same name."""
     match = _KEYED.fullmatch(name) if name.endswith("]") else None
     if match is None:
         return None
@@ -256,9 +257,13 @@ def _candidates(path: str, mtime: float | None, function_line: int | None
     """The nodes of the file, or of the function starting at ``function_line``, each with the
     function it is in."""
     if function_line is None:
-        return nodes(path, mtime)
+        return scorable(path, mtime)
     tree = parse(path, mtime)
-    return () if tree is None else walk_functions(enclosing(tree, function_line), None)
+    if tree is None:
+        return ()
+    return ((node, function) for node, function in walk_functions(enclosing(tree, function_line),
+                                                                 None)
+            if isinstance(node, _SCORED))
 
 
 def _better(score: float, lineno: int, best: float, line: int | None) -> bool:
@@ -304,6 +309,17 @@ def nodes(path: str, mtime: float | None) -> tuple[tuple[ast.AST, str | None], .
     return () if tree is None else tuple(walk_functions(tree, None))
 
 
+#: The statements :func:`_score` can score above 0 (the others are passed over unscored).
+_SCORED = (ast.AugAssign, ast.Assign, ast.AnnAssign, ast.Call)
+
+
+@functools.lru_cache(maxsize=64)
+def scorable(path: str, mtime: float | None) -> tuple[tuple[ast.AST, str | None], ...]:
+    """The nodes of :func:`nodes` that :func:`_score` can score: a file is scored once for
+    every holder's name, and most of its nodes are names, constants and expressions."""
+    return tuple(item for item in nodes(path, mtime) if isinstance(item[0], _SCORED))
+
+
 @functools.lru_cache(maxsize=64)
 def nodes_by_line(path: str, mtime: float | None) -> dict[int, tuple[ast.AST, ...]]:
     """The nodes of the file at ``path`` by the line they start on, each line's in the order
@@ -323,7 +339,7 @@ def attribute_line(path: str | None, root: str, name: str) -> int | None:
         return None
     spelled = f"{root}.{name}"
     best, line = 0.0, None
-    for node, _function in nodes(path, mtime(path)):
+    for node, _function in scorable(path, mtime(path)):
         score = _score(node, name)
         lineno = getattr(node, "lineno", None)
         if score and lineno is not None and spelled in ast.unparse(node) \
