@@ -1,4 +1,5 @@
-"""``memsentry show``: render a saved report again, as text or JSON."""
+"""``memsentry show``: render a saved report again, as text or JSON; or judge an allocator
+snapshot (``torch.cuda.memory._dump_snapshot()``, ``track(snapshot=...)``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from memsentry.cli.files import read_report, reason
 from memsentry.paths import replace_text, unwritable
 from memsentry.reporters import REPORTERS, HtmlReporter, TextReporter, make_reporter
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
+from memsentry.reporters.snapshot import render_snapshot, snapshot_to_json
+from memsentry.snapshots import DEFAULT_LIMIT, SnapshotError, is_pickle, read_snapshot
+from memsentry.snapshots.findings import findings
+from memsentry.snapshots.judge import judge
+from memsentry.units import format_bytes, parse_size
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("report", metavar="REPORT.json",
-                        help="a report saved by `memsentry run --json` or Report.to_json()")
+    parser.add_argument("report", metavar="REPORT.json|SNAPSHOT.pickle",
+                        help="a report saved by `memsentry run --json` or Report.to_json(), "
+                             "or a snapshot of PyTorch's allocator "
+                             "(torch.cuda.memory._dump_snapshot(), track(snapshot=...))")
     parser.add_argument("--format", choices=sorted(REPORTERS), default="text",
                         help="output format (default text)")
     parser.add_argument("-o", "--output", metavar="FILE",
@@ -22,13 +30,27 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="FILE",
                         help="write the report as one self-contained HTML page to FILE instead "
                              "(needs memsentry[html])")
+    parser.add_argument("--max-snapshot-size", type=_size, default=DEFAULT_LIMIT,
+                        metavar="SIZE",
+                        help="the largest snapshot file read, in bytes or as '4 GiB' "
+                             f"(default {format_bytes(DEFAULT_LIMIT)}: a snapshot takes several "
+                             "times its size in memory once read)")
     add_table_options(parser)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     problem = _outputs_problem(args)
     if problem is not None:
         return fail("show", problem)
+    if is_pickle(args.report):
+        return show_snapshot(args)
     report = read_report(args.report)
     if isinstance(report, str):
         return fail("show", report)
@@ -45,6 +67,34 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         replace_text(args.output, reporter.text(report) + "\n")
+    except OSError as error:
+        return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
+                            "writable path")
+    return 0
+
+
+def show_snapshot(args: argparse.Namespace) -> int:
+    """Judge the allocator snapshot at ``args.report`` and print the verdict (text or JSON)."""
+    if args.html or args.format == HtmlReporter.name:
+        return fail("show", "a snapshot's verdict is written as text or JSON (--format json); "
+                            "for a page of its timeline open the file at "
+                            "https://pytorch.org/memory_viz")
+    try:
+        snapshot = read_snapshot(args.report, limit=args.max_snapshot_size)
+    except SnapshotError as error:
+        return fail("show", str(error))
+    verdict = judge(snapshot)
+    found = findings(verdict)
+    if args.format == "json":
+        text = snapshot_to_json(verdict, found) + "\n"
+    else:
+        text = render_snapshot(verdict, found, width=args.width,
+                               findings_only=args.view == "findings")
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    try:
+        replace_text(args.output, text)
     except OSError as error:
         return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
                             "writable path")

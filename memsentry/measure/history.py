@@ -140,7 +140,9 @@ class History:
         trace = [{"action": action, "addr": addr, "size": size, "stream": 0,
                   "frames": frame_list(stack), "time_us": when}
                  for action, addr, size, stack, when in entries]
-        return {"segments": segments, "device_traces": [trace]}
+        # The extra key names the device for `memsentry show` (torch's readers and the
+        # viewer read the two they know and pass over the others).
+        return {"segments": segments, "device_traces": [trace], "memsentry": {"device": "cpu"}}
 
 
 def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:

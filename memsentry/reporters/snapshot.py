@@ -1,0 +1,101 @@
+"""A judged allocator snapshot (``memsentry show snap.pickle``) as text and as JSON: pure
+formatting of a :class:`~memsentry.snapshots.judge.SnapshotVerdict` and its findings."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from memsentry.model import Finding
+from memsentry.model.codec import to_plain
+from memsentry.reporters.wrap import fill
+from memsentry.snapshots.frames import Part
+from memsentry.snapshots.judge import DeviceVerdict, SiteMemory, SnapshotVerdict
+from memsentry.units import format_bytes
+from memsentry.usercode.text import printable
+
+#: The version of the JSON layout below.
+SCHEMA = 1
+
+
+def render_snapshot(verdict: SnapshotVerdict, findings: tuple[Finding, ...], *,
+                    width: int = 100, findings_only: bool = False) -> str:
+    """The verdict as text: the findings, then for each device its figures and what held
+    memory at the peak and at the end."""
+    lines = [f"memsentry: allocator snapshot {printable(verdict.path)} "
+             f"({format_bytes(verdict.file_bytes)})", ""]
+    lines += _findings(findings, width)
+    if not findings_only:
+        for device in verdict.devices:
+            lines += ["", *_device(device, width)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _findings(findings: tuple[Finding, ...], width: int) -> list[str]:
+    if not findings:
+        return ["No findings: no line's blocks piled up once per iteration, no out-of-memory "
+                "error is in the trace, and the cache was not cut up."]
+    lines = [f"Findings ({len(findings)})"]
+    for finding in findings:
+        head = f"  {finding.severity.value.upper()} {finding.rule}: {finding.message}"
+        lines.append(fill(printable(head), width, subsequent_indent="    "))
+        lines.append(fill(printable(f"    fix: {finding.fix}"), width,
+                          subsequent_indent="    "))
+    return lines
+
+
+def _device(device: DeviceVerdict, width: int) -> list[str]:
+    beat = (f"{device.iterations} iterations read from its {device.rhythm}s"
+            if device.iterations is not None else
+            "no iterations read from it (no optimizer step nor backward in its stacks)")
+    cache = device.cache
+    said = [
+        f"{device.name}: {device.entries:,} trace entries; {beat}",
+        f"  allocated: {format_bytes(device.before)} when the trace began, peak "
+        f"{format_bytes(device.peak)}, {format_bytes(device.end)} at the end",
+        f"  cached when the snapshot was taken: {format_bytes(cache.reserved)} reserved in "
+        f"{_count(cache.segments, 'segment')}, {format_bytes(cache.allocated)} of it in use, "
+        f"the largest free piece {format_bytes(cache.largest_free)}",
+        "  at the peak, by phase: " + _phases(device),
+    ]
+    lines = [fill(printable(line), width, subsequent_indent="    ") for line in said]
+    lines += _sites("at the peak, by your line", device.sites_at_peak, width)
+    lines += _sites("at the end, by your line", device.sites_at_end, width)
+    return lines
+
+
+def _phases(device: DeviceVerdict) -> str:
+    """The parts at the peak, or why there are none to say."""
+    if all(part is Part.OTHER for part, _size in device.parts_at_peak):
+        return "not told (no frame of torch's in the stacks of what was alive)"
+    return ", ".join(f"{part.value} {format_bytes(size)}"
+                     for part, size in device.parts_at_peak) + " (read from torch's frames)"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
+def _sites(title: str, sites: tuple[SiteMemory, ...], width: int) -> list[str]:
+    if not sites:
+        return [f"  {title}: nothing alive"]
+    lines = [f"  {title}:"]
+    for site in sites:
+        where = site.site or "(no frame of your code)"
+        text = (f"    {format_bytes(site.bytes):>9} in {_count(site.blocks, 'block')}  "
+                f"{where}  [{site.part.name.lower()}]")
+        lines.append(fill(printable(text), width, subsequent_indent="        "))
+    return lines
+
+
+def snapshot_to_dict(verdict: SnapshotVerdict, findings: tuple[Finding, ...]) -> dict[str, Any]:
+    """The verdict and findings as plain data (the layout of :data:`SCHEMA`)."""
+    return {"schema": SCHEMA, "kind": "allocator-snapshot", "findings": to_plain(findings),
+            **to_plain(verdict)}
+
+
+def snapshot_to_json(verdict: SnapshotVerdict, findings: tuple[Finding, ...]) -> str:
+    return json.dumps(snapshot_to_dict(verdict, findings), indent=2)
+
+
+__all__ = ["SCHEMA", "render_snapshot", "snapshot_to_dict", "snapshot_to_json"]

@@ -1,0 +1,89 @@
+"""Reading a recorded stack: the user's own frame, and the phase of training it was in.
+
+The snapshot may come from another machine, so whether a file is the user's is told from its
+path alone: installed packages (``site-packages``, ``dist-packages``), a Python's standard
+library (``.../lib/python3.X/``), frozen modules, and native frames (``stacks="all"`` adds
+C++ frames: ``.cpp``/``.h``/``.cu`` files, or ``??``) are not.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+from memsentry.snapshots.read import Frame
+
+_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]")
+_NATIVE = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".c", ".so")
+
+
+def is_user_frame(frame: Frame) -> bool:
+    """Whether ``frame`` is in the user's code."""
+    name = frame.filename
+    if not name or name == "??" or name.startswith("<frozen") or name.endswith(_NATIVE):
+        return False
+    return "-packages" not in name and _STDLIB.search(name) is None
+
+
+def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame of the user's code in a stack (innermost first)."""
+    for frame in frames:
+        if is_user_frame(frame):
+            return frame
+    return None
+
+
+class Part(enum.Enum):
+    """What a block was made for, guessed from the torch frames of its stack."""
+
+    SETUP = "the model's set-up (parameters, buffers)"
+    FORWARD = "a forward (activations, outputs)"
+    BACKWARD = "a backward (gradients, temporaries)"
+    STEP = "an optimizer step (state, temporaries)"
+    OTHER = "your code outside torch's (inputs, copies)"
+
+
+def _torch_file(frame: Frame) -> str | None:
+    """The path of ``frame`` inside a ``torch`` folder (``nn/modules/module.py``), or
+    ``None``; :func:`_part_of_torch` reads only torch's own subfolders from it."""
+    name = frame.filename.replace("\\", "/")
+    at = name.rfind("/torch/")
+    return name[at + 7:] if at >= 0 else None
+
+
+def part_of(frames: tuple[Frame, ...]) -> Part:
+    """The phase a stack (innermost first) was in: an optimizer's step, autograd's backward,
+    a module's forward, moving or building a model (``Module._apply``, a module's
+    ``__init__``), else the program's own code. The outermost torch frame that says one
+    decides: a forward inside a step is the step's. A stack with no frames at all is the
+    backward's: autograd runs it on its own worker thread, which has no Python frames (with
+    ``stacks="python"``; the viewer says so too)."""
+    if not frames:
+        return Part.BACKWARD
+    found = Part.OTHER
+    for frame in frames:
+        inside = _torch_file(frame)
+        if inside is None:
+            continue
+        part = _part_of_torch(inside, frame.name)
+        if part is not None:
+            found = part
+    return found
+
+
+def _part_of_torch(inside: str, function: str) -> Part | None:
+    if inside.startswith("optim/"):
+        return Part.STEP
+    if inside.startswith("autograd/") and function in ("backward", "grad", "_make_grads"):
+        return Part.BACKWARD
+    if inside == "_tensor.py" and function == "backward":
+        return Part.BACKWARD
+    if inside.startswith("nn/modules/"):
+        if function in ("_apply", "to", "cuda", "__init__", "reset_parameters"):
+            return Part.SETUP
+        if function in ("_call_impl", "_wrapped_call_impl", "forward"):
+            return Part.FORWARD
+    return None
+
+
+__all__ = ["Part", "is_user_frame", "part_of", "user_frame"]

@@ -1,0 +1,329 @@
+"""Reading a snapshot file of PyTorch's caching allocator into frozen values, running nothing
+the file names.
+
+The format is the dict ``torch.cuda.memory._snapshot()`` returns, as documented in its
+docstring (torch/cuda/memory.py) and built in torch/csrc/cuda/memory_snapshot.cpp:
+``segments`` (each with its ``blocks`` and their ``frames``), ``device_traces`` (one list of
+trace entries per device, each an ``action`` with ``addr``, ``size``, ``stream``, ``frames``
+and, from torch 2.1, ``time_us``; an ``oom`` entry has ``device_free``) and, from torch 2.2,
+``allocator_settings``. Only dicts, lists, tuples, strings, numbers, booleans and ``None``
+appear in it, so the unpickler admits nothing else: a file that asks for a class or a
+function (how a pickle runs code) is refused before anything it names is looked up.
+
+A snapshot may be large (several KB an entry, gigabytes for a long recording): the file's
+size is checked against a limit before reading, and reading is one pass over the file and one
+over what it held.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from memsentry.errors import MemsentryError
+from memsentry.units import format_bytes
+
+#: The largest file read unless the caller allows more (``--max-snapshot-size``): a file
+#: takes several times its size in memory once read.
+DEFAULT_LIMIT = 2 * 2**30
+
+#: Values a snapshot's ``allocator_settings`` may hold.
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class SnapshotError(MemsentryError, ValueError):
+    """A file could not be read as an allocator snapshot; ``str()`` says why and what to do,
+    in one line."""
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of the Python stack that asked for memory (innermost first in a stack)."""
+
+    filename: str
+    line: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Block:
+    """A piece of a segment: in use by a tensor (``active_allocated``), waiting for another
+    stream (``active_pending_free``; the docstring of ``_snapshot`` says
+    ``active_awaiting_free``, the allocator writes this) or cached for reuse (``inactive``).
+    ``size`` is the block's, rounded; ``requested`` what was asked for."""
+
+    address: int
+    size: int
+    requested: int
+    state: str
+    frames: tuple[Frame, ...]
+
+    @property
+    def allocated(self) -> bool:
+        return self.state == "active_allocated"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Memory the allocator got from the device (a ``cudaMalloc``), cut into blocks."""
+
+    device: int
+    address: int
+    total_size: int
+    allocated_size: int
+    stream: int
+    segment_type: str
+    expandable: bool | None
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a device's trace: ``alloc``, ``free_requested``, ``free_completed``,
+    ``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``, ``oom`` or
+    ``snapshot`` (others, from later torches, are kept and passed over). ``size`` is the bytes
+    requested (an ``oom``'s is rounded); ``address`` is ``None`` where the entry has none
+    (``oom``); ``time_us`` where the torch that wrote it did not record times (before 2.2);
+    ``device_free`` is an ``oom``'s. ``frames`` is empty where no stack was recorded: the
+    backward's allocations, made on autograd's worker thread, have no Python frames."""
+
+    action: str
+    address: int | None
+    size: int
+    stream: int
+    frames: tuple[Frame, ...]
+    time_us: int | None = None
+    device_free: int | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorSnapshot:
+    """What one snapshot file holds: the segments alive when it was taken, each device's
+    trace (``traces[i]`` is device ``i``'s) and the allocator's settings."""
+
+    path: str
+    file_bytes: int
+    segments: tuple[Segment, ...]
+    traces: tuple[tuple[Event, ...], ...]
+    settings: tuple[tuple[str, str | int | float | bool | None], ...] = ()
+    device_type: str = "cuda"
+
+    def device_name(self, index: int) -> str:
+        """``cuda:0``; ``cpu`` for the snapshots memsentry records on the CPU."""
+        return self.device_type if self.device_type == "cpu" else f"{self.device_type}:{index}"
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The devices with a trace or a segment."""
+        found = {segment.device for segment in self.segments}
+        found.update(index for index, trace in enumerate(self.traces) if trace)
+        return tuple(sorted(found))
+
+    def setting(self, name: str) -> str | int | float | bool | None:
+        return dict(self.settings).get(name)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Admits the plain types only: every class or function a pickle asks for (``GLOBAL``,
+    ``STACK_GLOBAL``, the extension registry's ``EXT`` codes all come here) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise SnapshotError(
+            f"it asks to load `{module}.{name}`, which an allocator snapshot never does (it "
+            "holds only dicts, lists, strings and numbers); memsentry runs nothing a file "
+            "names, so it stopped there. Open only snapshots you or torch wrote")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise SnapshotError("it refers to objects outside the file (a persistent id), which "
+                            "an allocator snapshot never does; memsentry stopped there")
+
+
+def is_pickle(path: str) -> bool:
+    """Whether the file at ``path`` starts as a pickle of protocol 2 or later does (a report
+    saved as JSON starts with ``{``); ``False`` when it cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(1) == b"\x80"
+    except OSError:
+        return False
+
+
+def read_snapshot(path: str, *, limit: int = DEFAULT_LIMIT) -> AllocatorSnapshot:
+    """The snapshot in the file at ``path``. Raises :class:`SnapshotError` when the file is
+    missing, larger than ``limit`` bytes, not a pickle, asks for anything but plain types, or
+    does not hold a snapshot's fields."""
+    size = _size(path, limit)
+    try:
+        with open(path, "rb") as file:
+            data = _PlainUnpickler(file).load()
+    except SnapshotError as error:
+        raise SnapshotError(f"{path}: refused: {error}") from None
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read it ({error.strerror or error})") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
+            KeyError, MemoryError, RecursionError) as error:
+        raise SnapshotError(
+            f"{path}: not a readable pickle ({type(error).__name__}: {str(error)[:120]}); a "
+            "file cut short (a job killed while writing it) reads so: write it again with "
+            "torch.cuda.memory._dump_snapshot()") from None
+    return snapshot_of(data, path=path, file_bytes=size)
+
+
+def _size(path: str, limit: int) -> int:
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise SnapshotError(f"no such file: {path!r}") from None
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read it ({error.strerror or error})") from None
+    if not os.path.isfile(path):
+        raise SnapshotError(f"{path}: not a regular file; give the snapshot's path")
+    if size > limit:
+        raise SnapshotError(
+            f"{path}: {format_bytes(size)}, past the {format_bytes(limit)} memsentry reads "
+            f"(a snapshot takes several times its size in memory once read); raise the limit "
+            f"with --max-snapshot-size {size} if this machine has the memory")
+    return size
+
+
+def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
+                ) -> AllocatorSnapshot:
+    """The snapshot a dict as ``torch.cuda.memory._snapshot()`` returns holds (raises
+    :class:`SnapshotError` naming the first field that is not as the format has it)."""
+    top = _mapping(data, path, "the file")
+    frames = _Frames()
+    segments = tuple(_segment(item, frames, f"segments[{i}]", path)
+                     for i, item in enumerate(_list(top.get("segments", []), path, "segments")))
+    traces = tuple(
+        tuple(_event(entry, frames, f"device_traces[{d}][{i}]", path)
+              for i, entry in enumerate(_list(trace, path, f"device_traces[{d}]")))
+        for d, trace in enumerate(_list(top.get("device_traces", []), path, "device_traces")))
+    if "segments" not in top and "device_traces" not in top:
+        raise SnapshotError(f"{path}: a pickle, but not of an allocator snapshot (no "
+                            "`segments` nor `device_traces`); give a file written by "
+                            "torch.cuda.memory._dump_snapshot()")
+    return AllocatorSnapshot(path=path, file_bytes=file_bytes, segments=segments,
+                             traces=traces, settings=_settings(top.get("allocator_settings"),
+                                                               path),
+                             device_type=_device_type(top.get("memsentry")))
+
+
+def _device_type(marks: object) -> str:
+    """The device a snapshot memsentry wrote names (``cpu``); ``cuda`` for torch's own."""
+    device = marks.get("device") if isinstance(marks, dict) else None
+    return device if device == "cpu" else "cuda"
+
+
+class _Frames:
+    """Frames read so far, so that a frame repeated in thousands of stacks is one value."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int, str], Frame] = {}
+
+    def stack(self, value: object, path: str, field: str) -> tuple[Frame, ...]:
+        if value is None:
+            return ()
+        found = []
+        for index, item in enumerate(_list(value, path, field)):
+            where = f"{field}[{index}]"
+            entry = _mapping(item, path, where)
+            key = (_text(entry.get("filename", "??"), path, f"{where}.filename"),
+                   _int(entry.get("line", 0), path, f"{where}.line"),
+                   _text(entry.get("name", "??"), path, f"{where}.name"))
+            frame = self._known.get(key)
+            if frame is None:
+                frame = self._known[key] = Frame(*key)
+            found.append(frame)
+        return tuple(found)
+
+
+def _segment(value: object, frames: _Frames, field: str, path: str) -> Segment:
+    entry = _mapping(value, path, field)
+    blocks = tuple(_block(item, frames, f"{field}.blocks[{i}]", path)
+                   for i, item in enumerate(_list(entry.get("blocks", []), path,
+                                                  f"{field}.blocks")))
+    expandable = entry.get("is_expandable")
+    return Segment(
+        device=_int(entry.get("device", 0), path, f"{field}.device"),
+        address=_int(entry.get("address", 0), path, f"{field}.address"),
+        total_size=_int(entry.get("total_size", 0), path, f"{field}.total_size"),
+        allocated_size=_int(entry.get("allocated_size", 0), path, f"{field}.allocated_size"),
+        stream=_int(entry.get("stream", 0), path, f"{field}.stream"),
+        segment_type=_text(entry.get("segment_type", ""), path, f"{field}.segment_type"),
+        expandable=expandable if isinstance(expandable, bool) else None,
+        blocks=blocks)
+
+
+def _block(value: object, frames: _Frames, field: str, path: str) -> Block:
+    entry = _mapping(value, path, field)
+    size = _int(entry.get("size", 0), path, f"{field}.size")
+    return Block(
+        address=_int(entry.get("address", 0), path, f"{field}.address"), size=size,
+        requested=_int(entry.get("requested_size", size), path, f"{field}.requested_size"),
+        state=_text(entry.get("state", ""), path, f"{field}.state"),
+        frames=frames.stack(entry.get("frames"), path, f"{field}.frames"))
+
+
+def _event(value: object, frames: _Frames, field: str, path: str) -> Event:
+    entry = _mapping(value, path, field)
+    address = entry.get("addr")
+    time_us = entry.get("time_us")
+    device_free = entry.get("device_free")
+    return Event(
+        action=_text(entry.get("action"), path, f"{field}.action"),
+        address=None if address is None else _int(address, path, f"{field}.addr"),
+        size=_int(entry.get("size", 0), path, f"{field}.size"),
+        stream=_int(entry.get("stream", 0), path, f"{field}.stream"),
+        frames=frames.stack(entry.get("frames"), path, f"{field}.frames"),
+        time_us=None if time_us is None else _int(time_us, path, f"{field}.time_us"),
+        device_free=None if device_free is None else _int(device_free, path,
+                                                          f"{field}.device_free"))
+
+
+def _settings(value: object, path: str
+              ) -> tuple[tuple[str, str | int | float | bool | None], ...]:
+    """The allocator's settings, those with plain values (others are left out)."""
+    if value is None:
+        return ()
+    entry = _mapping(value, path, "allocator_settings")
+    return tuple((str(key), item) for key, item in entry.items() if isinstance(item, _PLAIN))
+
+
+def _mapping(value: object, path: str, field: str) -> Mapping[str, object]:
+    if not isinstance(value, dict):
+        raise SnapshotError(f"{path}: {field} is {_kind(value)} where the snapshot format has "
+                            "a dict; give a file written by torch.cuda.memory._dump_snapshot()")
+    return value
+
+
+def _list(value: object, path: str, field: str) -> list[object] | tuple[object, ...]:
+    if not isinstance(value, list | tuple):
+        raise SnapshotError(f"{path}: {field} is {_kind(value)} where the snapshot format has "
+                            "a list; give a file written by torch.cuda.memory._dump_snapshot()")
+    return value
+
+
+def _int(value: object, path: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SnapshotError(f"{path}: {field} is {_kind(value)} where the snapshot format has "
+                            "an integer")
+    return value
+
+
+def _text(value: object, path: str, field: str) -> str:
+    if not isinstance(value, str):
+        raise SnapshotError(f"{path}: {field} is {_kind(value)} where the snapshot format has "
+                            "a string")
+    return value
+
+
+def _kind(value: object) -> str:
+    shown = repr(value)
+    return f"{type(value).__name__} {shown[:40]}{'...' if len(shown) > 40 else ''}"
+
+
+__all__ = ["DEFAULT_LIMIT", "AllocatorSnapshot", "Block", "Event", "Frame", "Segment",
+           "SnapshotError", "is_pickle", "read_snapshot", "snapshot_of"]

@@ -1,0 +1,61 @@
+"""The iterations of a recorded trace, from its rhythm: each optimizer step (a run of
+allocations made inside ``torch/optim``) ends one; without steps, each backward does. A trace
+of neither (inference, or a trace with no stacks) has no iterations read from it."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from memsentry.snapshots.frames import Part, part_of
+from memsentry.snapshots.read import Event
+
+
+@dataclass(frozen=True)
+class Rhythm:
+    """Iteration ends (the index of each step's or backward's last ``alloc`` entry) and what
+    they were read from (``"optimizer step"``, ``"backward"``)."""
+
+    ends: tuple[int, ...]
+    source: str
+    open_end: bool = False
+
+    @property
+    def iterations(self) -> int:
+        """Iterations the trace covers: each end closes one; allocations after the last end
+        are one more (begun, not ended: ``open_end``)."""
+        return len(self.ends) + self.open_end
+
+    def iteration_of(self, index: int) -> int:
+        """The iteration an entry at ``index`` belongs to (0: up to the first end)."""
+        return bisect.bisect_left(self.ends, index)
+
+
+def rhythm(trace: tuple[Event, ...]) -> Rhythm | None:
+    """The iterations of ``trace``: by its optimizer steps, else by its backwards; ``None``
+    when it shows fewer than two of either."""
+    parts = [(index, part_of(event.frames)) for index, event in enumerate(trace)
+             if event.action == "alloc"]
+    for part, source in ((Part.STEP, "optimizer step"), (Part.BACKWARD, "backward")):
+        ends = _run_ends(parts, part)
+        if len(ends) >= 2:
+            return Rhythm(tuple(ends), source, open_end=parts[-1][0] > ends[-1])
+    return None
+
+
+def _run_ends(parts: list[tuple[int, Part]], wanted: Part) -> list[int]:
+    """The index of the last allocation of each run of allocations made in ``wanted``."""
+    ends: list[int] = []
+    last: int | None = None
+    for index, part in parts:
+        if part is wanted:
+            last = index
+        elif last is not None:
+            ends.append(last)
+            last = None
+    if last is not None:
+        ends.append(last)
+    return ends
+
+
+__all__ = ["Rhythm", "rhythm"]

@@ -1,0 +1,268 @@
+"""``memsentry show snap.pickle``: verdicts on a recorded allocator snapshot. Snapshots built
+as torch's caching allocator records them (tests/snapshot_factory.py names the sources), and
+the snapshots memsentry itself records on the CPU in real loops."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import snapshot_factory as fake
+import torch
+from snapshot_factory import KIB, MIB, FakeAllocator, snapshot, training, write
+from torch import nn
+
+import memsentry
+from memsentry.snapshots import SnapshotError, read_snapshot
+from memsentry.snapshots.findings import findings
+from memsentry.snapshots.judge import judge
+from memsentry.snapshots.read import snapshot_of
+
+LEAK = "tensor-accumulation"
+
+
+def verdict_of(data: dict) -> tuple:
+    verdict = judge(snapshot_of(data))
+    return verdict, findings(verdict)
+
+
+def show(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memsentry", "show", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- leaks and their not-a-leak twins -----------------------------------------------------
+def test_outputs_kept_every_iteration_are_a_leak_at_the_forward_line() -> None:
+    verdict, found = verdict_of(snapshot(training(20, keep="output")))
+    [leak] = found
+    assert leak.rule == LEAK and leak.severity is memsentry.Severity.LEAK
+    assert str(leak.location) == "/home/me/train.py:42"
+    assert leak.objects == 20 and leak.bytes == 20 * 32 * KIB
+    assert "kept from 20 of the last 20 iterations (read from the optimizer steps)" \
+        in leak.message
+    assert "a forward" in leak.message and "detach()" in leak.fix
+    assert verdict.devices[0].iterations == 20
+
+
+def test_without_an_optimizer_state_the_backwards_count_the_iterations() -> None:
+    verdict, found = verdict_of(snapshot(training(16, keep="output", adam=False)))
+    assert verdict.devices[0].rhythm == "backward"
+    [leak] = found
+    assert "kept from 16 of the last 16 iterations (read from the backwards)" in leak.message
+
+
+def test_a_loss_summed_as_a_tensor_names_its_lines() -> None:
+    _verdict, found = verdict_of(snapshot(training(12, keep="loss")))
+    assert sorted(str(f.location) for f in found) == ["/home/me/train.py:42",
+                                                       "/home/me/train.py:43"]
+    assert found[0].bytes == 12 * 128 * KIB  # the hidden activations the graph saved
+    assert all(f.rule == LEAK and "12 of the last 12 iterations" in f.message for f in found)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"keep": "output", "ring": 5}],
+                         ids=["clean", "bounded-window"])
+def test_a_clean_loop_and_a_bounded_window_have_no_finding(kwargs: dict) -> None:
+    verdict, found = verdict_of(snapshot(training(20, **kwargs)))
+    assert found == ()
+    device = verdict.devices[0]
+    # parameters and Adam's state stay alive, made once: at the end, not a pile-up
+    at_end = {site.site: site.bytes for site in device.sites_at_end}
+    assert at_end["/home/me/train.py:45 (train)"] == 8 * 256 * KIB
+    assert at_end["/home/me/train.py:20 (train)"] == 4 * 256 * KIB
+
+
+def test_a_short_record_says_nothing() -> None:
+    _verdict, found = verdict_of(snapshot(training(3, keep="output")))
+    assert found == ()  # 3 iterations kept: fewer than a verdict needs
+
+
+def test_the_peak_and_its_parts_follow_the_trace() -> None:
+    verdict, _found = verdict_of(snapshot(training(6)))
+    device = verdict.devices[0]
+    params, state = 4 * 256 * KIB, 8 * 256 * KIB
+    # the first step: parameters, input, both outputs, the loss, four gradients, the state
+    # and the step's scratch buffer are alive at once
+    # (sizes as requested: the loss is 4 bytes, the seed gradient freed before the step)
+    assert device.peak == params + 64 * KIB + 160 * KIB + 4 + params + state + 256 * KIB
+    assert device.end == params + state and device.before == 0
+    parts = dict(device.parts_at_peak)
+    assert parts[fake_part("STEP")] == state + 256 * KIB
+    assert parts[fake_part("BACKWARD")] == params
+
+
+def fake_part(name: str) -> object:
+    from memsentry.snapshots.frames import Part
+
+    return Part[name]
+
+
+def test_a_trace_cut_by_max_entries_counts_what_was_alive_before_it() -> None:
+    whole = training(20, keep="output")
+    cut = training(20, keep="output", allocator=FakeAllocator(max_entries=300))
+    full, _ = verdict_of(snapshot(whole))
+    part, found = verdict_of(snapshot(cut))
+    assert part.devices[0].end == full.devices[0].end  # the segments hold the same blocks
+    assert part.devices[0].before > 0 and part.devices[0].entries == 300
+    assert [f.rule for f in found] == [LEAK]  # still once per iteration in what is left
+
+
+def test_an_out_of_memory_error_says_what_was_asked_and_what_held_memory() -> None:
+    gpu = training(5)
+    for _ in range(3):
+        gpu.alloc(512 * MIB, fake.stack(fake.FORWARD, 42))
+    gpu.oom(2 * 1024 * MIB, device_free=300 * MIB, frames=fake.stack(fake.FORWARD, 42))
+    _verdict, found = verdict_of(snapshot(gpu))
+    [oom] = [f for f in found if f.rule == "out-of-memory"]
+    assert "asked for 2.0 GiB; the device had 300 MiB free" in oom.message
+    assert "a forward (activations, outputs) 1.5 GiB" in oom.message
+    assert str(oom.location) == "/home/me/train.py:42"
+    assert "smaller batch" in oom.fix and "expandable_segments" not in oom.fix
+
+
+def test_an_out_of_memory_error_with_memory_cached_in_pieces_says_expandable_segments() -> None:
+    gpu = training(5)
+    gpu.oom(64 * MIB, device_free=0, frames=fake.stack(fake.FORWARD, 42))
+    data = snapshot(gpu, cached_free=48 * MIB)
+    data["segments"][0]["blocks"].append({"address": 1, "size": 40 * MIB,
+                                          "requested_size": 0, "state": "inactive",
+                                          "frames": []})
+    data["segments"][0]["total_size"] += 40 * MIB
+    _verdict, found = verdict_of(data)
+    [oom] = [f for f in found if f.rule == "out-of-memory"]
+    assert "88 MiB was cached but free in pieces of at most 48 MiB" in oom.fix
+    assert "expandable_segments:True" in oom.fix
+
+
+def test_cached_memory_far_above_what_tensors_use_is_fragmentation() -> None:
+    data = snapshot(training(5), cached_free=900 * MIB,
+                    settings={"expandable_segments": False, "max_split_size": -1})
+    _verdict, found = verdict_of(data)
+    [waste] = [f for f in found if f.rule == "allocator-fragmentation"]
+    assert "900 MiB cached and unused" in waste.message
+    assert "expandable segments were off" in waste.message
+    assert "expandable_segments:True" in waste.fix
+
+
+def test_two_devices_are_judged_apart() -> None:
+    first = training(12, keep="output")
+    second = training(12, allocator=FakeAllocator(device=1))
+    verdict, found = verdict_of(snapshot(first, second))
+    assert [d.name for d in verdict.devices] == ["cuda:0", "cuda:1"]
+    assert [f.subject.name for f in found if f.subject] == ["cuda:0"]
+
+
+# -- files: hostile, cut short, too large, not a snapshot ---------------------------------
+class _Payload:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("echo ran > ran.txt",))
+
+
+def test_a_pickle_that_asks_for_a_function_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "hostile.pickle"
+    path.write_bytes(pickle.dumps({"segments": [_Payload()], "device_traces": []}))
+    result = subprocess.run([sys.executable, "-m", "memsentry", "show", str(path)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "refused: it asks to load `posix.system`" in result.stderr \
+        or "refused: it asks to load `nt.system`" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ran.txt").exists()
+
+
+def test_a_file_cut_short_is_refused_in_one_line(tmp_path: Path) -> None:
+    whole = pickle.dumps(snapshot(training(5)))
+    path = tmp_path / "cut.pickle"
+    path.write_bytes(whole[: len(whole) // 2])
+    result = show(path)
+    assert result.returncode == 2
+    assert "not a readable pickle" in result.stderr and "cut short" in result.stderr
+
+
+def test_a_file_past_the_limit_is_refused_before_reading(tmp_path: Path) -> None:
+    path = write(snapshot(training(5)), tmp_path / "big.pickle")
+    result = show(path, "--max-snapshot-size", "1 KiB")
+    assert result.returncode == 2
+    assert f"--max-snapshot-size {path.stat().st_size}" in result.stderr
+    assert show(path, "--max-snapshot-size", str(path.stat().st_size)).returncode == 0
+
+
+@pytest.mark.parametrize("data, said", [
+    ({"hello": 1}, "not of an allocator snapshot"),
+    ({"segments": [{"blocks": [{"size": "big"}]}]}, "segments[0].blocks[0].size is str"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 5, "frames": [3]}]]},
+     "device_traces[0][0].frames[0] is int"),
+], ids=["other-pickle", "bad-size", "bad-frame"])
+def test_a_pickle_that_is_not_a_snapshot_names_the_field(data: dict, said: str) -> None:
+    with pytest.raises(SnapshotError, match=said.replace("[", r"\[").replace("]", r"\]")):
+        snapshot_of(data)
+
+
+# -- the command --------------------------------------------------------------------------
+def test_show_prints_the_verdict_as_text_and_json(tmp_path: Path) -> None:
+    path = write(snapshot(training(20, keep="output")), tmp_path / "leak.pickle")
+    text = show(path)
+    assert text.returncode == 0, text.stderr
+    assert "LEAK tensor-accumulation: 640 KiB in 20 blocks from /home/me/train.py:42" \
+        in text.stdout
+    assert "at the end, by your line:" in text.stdout
+    brief = show(path, "--findings-only")
+    assert "LEAK tensor-accumulation" in brief.stdout and "by your line" not in brief.stdout
+    data = json.loads(show(path, "--format", "json").stdout)
+    assert data["kind"] == "allocator-snapshot"
+    assert [f["rule"] for f in data["findings"]] == [LEAK]
+    assert data["devices"][0]["pile_ups"][0]["blocks"] == 20
+    out = tmp_path / "verdict.txt"
+    assert show(path, "-o", out).returncode == 0 and "LEAK" in out.read_text()
+
+
+def test_show_of_a_report_is_unchanged(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    with memsentry.track(model, on_leak="ignore") as tracker:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            tracker.step()
+    report = tmp_path / "r.json"
+    tracker.report().to_json(report)
+    result = show(report, "--findings-only")
+    assert result.returncode == 0 and "memsentry" in result.stdout
+
+
+# -- snapshots memsentry recorded in real CPU loops ---------------------------------------
+def _recorded(path: Path, *, leak: bool) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept: list[torch.Tensor] = []
+    with memsentry.track(model, snapshot=str(path), on_leak="ignore"):
+        for _ in range(24):
+            out = model(torch.randn(16, 64))
+            out.pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if leak:
+                kept.append(out)  # the line the verdict must name
+            else:
+                kept = [out.detach()]
+    return path
+
+
+def test_a_snapshot_memsentry_recorded_names_the_leaking_line(tmp_path: Path) -> None:
+    snap = read_snapshot(str(_recorded(tmp_path / "leak.pickle", leak=True)))
+    assert snap.device_type == "cpu"
+    found = findings(judge(snap))
+    lines = {f.location.line for f in found if f.rule == LEAK and f.location}
+    source = Path(__file__).read_text().splitlines()
+    out_line = next(i for i, text in enumerate(source, 1)
+                    if text.strip() == "out = model(torch.randn(16, 64))")
+    assert out_line in lines
+    assert all("on cpu" in f.message for f in found)
+
+
+def test_a_snapshot_memsentry_recorded_of_a_clean_loop_has_no_finding(tmp_path: Path) -> None:
+    snap = read_snapshot(str(_recorded(tmp_path / "clean.pickle", leak=False)))
+    assert findings(judge(snap)) == ()
