@@ -43,7 +43,7 @@ def test_outputs_kept_every_iteration_are_a_leak_at_the_forward_line() -> None:
     assert leak.rule == LEAK and leak.severity is memsentry.Severity.LEAK
     assert str(leak.location) == "/home/me/train.py:42"
     assert leak.objects == 20 and leak.bytes == 20 * 32 * KIB
-    assert "kept from 20 of the last 20 iterations (read from the optimizer steps)" \
+    assert "kept from 20 of the last 20 iterations (read from its optimizer steps)" \
         in leak.message
     assert "a forward" in leak.message and "detach()" in leak.fix
     assert verdict.devices[0].iterations == 20
@@ -51,9 +51,9 @@ def test_outputs_kept_every_iteration_are_a_leak_at_the_forward_line() -> None:
 
 def test_without_an_optimizer_state_the_backwards_count_the_iterations() -> None:
     verdict, found = verdict_of(snapshot(training(16, keep="output", adam=False)))
-    assert verdict.devices[0].rhythm == "backward"
+    assert verdict.devices[0].rhythm == "its backwards"
     [leak] = found
-    assert "kept from 16 of the last 16 iterations (read from the backwards)" in leak.message
+    assert "kept from 16 of the last 16 iterations (read from its backwards)" in leak.message
 
 
 def test_a_loss_summed_as_a_tensor_names_its_lines() -> None:
@@ -233,12 +233,15 @@ def test_show_of_a_report_is_unchanged(tmp_path: Path) -> None:
 
 
 # -- snapshots memsentry recorded in real CPU loops ---------------------------------------
-def _recorded(path: Path, *, leak: bool) -> Path:
+def _recorded(path: Path, *, leak: bool) -> memsentry.Report:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept: list[torch.Tensor] = []
-    with memsentry.track(model, snapshot=str(path), on_leak="ignore"):
+    # overhead=None: every iteration sampled, so the report's peak is every iteration's (a
+    # light iteration's peak is not read: the report's is then a lower bound of the trace's)
+    with memsentry.track(model, snapshot=str(path), on_leak="ignore",
+                         overhead=None) as tracker:
         for _ in range(24):
             out = model(torch.randn(16, 64))
             out.pow(2).mean().backward()
@@ -248,21 +251,68 @@ def _recorded(path: Path, *, leak: bool) -> Path:
                 kept.append(out)  # the line the verdict must name
             else:
                 kept = [out.detach()]
-    return path
+    return tracker.report()
 
 
-def test_a_snapshot_memsentry_recorded_names_the_leaking_line(tmp_path: Path) -> None:
-    snap = read_snapshot(str(_recorded(tmp_path / "leak.pickle", leak=True)))
-    assert snap.device_type == "cpu"
-    found = findings(judge(snap))
-    lines = {f.location.line for f in found if f.rule == LEAK and f.location}
+def test_a_snapshot_memsentry_recorded_agrees_with_its_report(tmp_path: Path) -> None:
+    report = _recorded(tmp_path / "leak.pickle", leak=True)
+    snap = read_snapshot(str(tmp_path / "leak.pickle"))
+    assert snap.device_type == "cpu" and snap.iteration_ends
+    verdict = judge(snap)
+    device = verdict.devices[0]
+    assert device.peak == report.peak  # the same storages counted: byte for byte
+    assert device.end == report.allocated
+    assert device.rhythm == "the iteration ends memsentry marked"
+    assert device.iterations == report.iterations[-1].index + 1
+    live = [f for f in report.findings if f.rule == LEAK]
+    found = [f for f in findings(verdict) if f.rule == LEAK]
+    assert live and found
     source = Path(__file__).read_text().splitlines()
     out_line = next(i for i, text in enumerate(source, 1)
                     if text.strip() == "out = model(torch.randn(16, 64))")
-    assert out_line in lines
-    assert all("on cpu" in f.message for f in found)
+    [pile] = found
+    assert pile.location is not None and pile.location.line == out_line
+    assert "kept from 24 of the last" in pile.message and "on cpu" in pile.message
+    assert pile.objects == 24 and pile.bytes == 24 * 16 * 8 * 4  # one output a step
 
 
 def test_a_snapshot_memsentry_recorded_of_a_clean_loop_has_no_finding(tmp_path: Path) -> None:
-    snap = read_snapshot(str(_recorded(tmp_path / "clean.pickle", leak=False)))
-    assert findings(judge(snap)) == ()
+    report = _recorded(tmp_path / "clean.pickle", leak=False)
+    verdict = judge(read_snapshot(str(tmp_path / "clean.pickle")))
+    assert findings(verdict) == ()
+    assert verdict.devices[0].peak == report.peak
+
+
+def diff(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memsentry", "diff", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_diff_of_two_snapshots_names_the_line_that_grew_and_fails_past_limits(
+        tmp_path: Path) -> None:
+    old = write(snapshot(training(20)), tmp_path / "old.pickle")
+    new = write(snapshot(training(20, keep="output")), tmp_path / "new.pickle")
+    plain = diff(old, new)
+    assert plain.returncode == 0, plain.stderr
+    assert "+640 KiB  /home/me/train.py:42 (train)  (0 B -> 640 KiB)" in plain.stdout
+    assert "Appeared (1)" in plain.stdout and "LEAK tensor-accumulation" in plain.stdout
+    gated = diff(old, new, "--fail-on-new-findings", "--max-peak-increase", "5%",
+                 "--json", tmp_path / "d.json")
+    assert gated.returncode == 1
+    assert "limit crossed: --max-peak-increase: the peak rose by 13.3%" in gated.stderr
+    assert "new LEAK tensor-accumulation at /home/me/train.py:42" in gated.stderr
+    data = json.loads((tmp_path / "d.json").read_text())
+    assert data["kind"] == "allocator-snapshot-diff" and len(data["limits_crossed"]) == 2
+    assert diff(old, old, "--fail-on-new-findings", "--max-peak-increase", "0%"
+                ).returncode == 0
+
+
+def test_diff_refuses_a_snapshot_against_a_report_and_report_only_options(
+        tmp_path: Path) -> None:
+    snap = write(snapshot(training(5)), tmp_path / "s.pickle")
+    report = tmp_path / "r.json"
+    report.write_text("{}")
+    mixed = diff(snap, report)
+    assert mixed.returncode == 2 and "compare a snapshot with a snapshot" in mixed.stderr
+    growth = diff(snap, snap, "--max-growth-increase", "1MiB")
+    assert growth.returncode == 2 and "--max-growth-increase applies to reports" in growth.stderr

@@ -20,7 +20,13 @@ from memsentry.model.diff import parse_growth_increase, parse_increase
 from memsentry.paths import replace_text, unwritable
 from memsentry.reporters.diff import diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
+from memsentry.reporters.snapshot import render_snapshot_diff, snapshot_diff_to_json
 from memsentry.rules.diff import check, diff
+from memsentry.snapshots import DEFAULT_LIMIT, SnapshotError, is_pickle, read_snapshot
+from memsentry.snapshots.compare import breaches, compare
+from memsentry.snapshots.findings import findings
+from memsentry.snapshots.judge import judge
+from memsentry.units import format_bytes, parse_size
 from memsentry.usercode.text import printable
 
 T = TypeVar("T")
@@ -40,8 +46,10 @@ def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("old", metavar="OLD.json",
-                        help="the report to compare against (memsentry run --json)")
-    parser.add_argument("new", metavar="NEW.json", help="the report of the run to judge")
+                        help="the report to compare against (memsentry run --json), or an "
+                             "allocator snapshot (torch.cuda.memory._dump_snapshot())")
+    parser.add_argument("new", metavar="NEW.json",
+                        help="the report of the run to judge, or its allocator snapshot")
     parser.add_argument("--max-peak-increase", metavar="LIMIT", type=_argument(parse_increase),
                         help="exit 1 when the peak rises by more than this: a share of the "
                              "old peak (5%%) or a size (64MiB)")
@@ -63,6 +71,48 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                         help="layers shown, largest change first (default 10)")
     parser.add_argument("--width", type=at_least(1), default=100,
                         help="terminal width the text is fitted to (default 100)")
+    parser.add_argument("--max-snapshot-size", type=_argument(parse_size),
+                        default=DEFAULT_LIMIT, metavar="SIZE",
+                        help="the largest allocator snapshot read, when the two files are "
+                             f"snapshots (default {format_bytes(DEFAULT_LIMIT)})")
+
+
+def diff_snapshots(args: argparse.Namespace) -> int:
+    """Compare two allocator snapshots; exit 1 past the limits given."""
+    if args.max_growth_increase is not None or args.html:
+        option = "--max-growth-increase" if args.max_growth_increase is not None else "--html"
+        return fail("diff", f"{option} applies to reports; two snapshots are compared by "
+                            "--max-peak-increase and --fail-on-new-findings, as text or --json")
+    verdicts = []
+    for label, path in (("OLD", args.old), ("NEW", args.new)):
+        try:
+            verdict = judge(read_snapshot(path, limit=args.max_snapshot_size))
+        except SnapshotError as error:
+            return fail("diff", f"{label}: {error}")
+        verdicts.append((verdict, findings(verdict)))
+    (old, old_found), (new, new_found) = verdicts
+    change = compare(old, old_found, new, new_found, top=args.top)
+    share, size = args.max_peak_increase or (None, None)
+    crossed = breaches(change, peak_share=share, peak_bytes=size,
+                       new_findings=args.fail_on_new_findings)
+    text = render_snapshot_diff(change, crossed, width=args.width).rstrip("\n")
+    problem = _save_snapshot_diff(args, text, snapshot_diff_to_json(change, crossed))
+    if problem is not None:
+        return fail("diff", problem)
+    sys.stdout.flush()
+    for breach in crossed:
+        fail("diff", f"limit crossed: {breach}")
+    return 1 if crossed else 0
+
+
+def _save_snapshot_diff(args: argparse.Namespace, text: str, data: str) -> str | None:
+    if args.output:
+        problem = _write(args.output, text, "-o")
+        if problem is not None:
+            return problem
+    else:
+        print(text)
+    return _write(args.json, data, "--json") if args.json else None
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -124,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
     problem = _outputs_problem(args)
     if problem is not None:
         return fail("diff", problem)
+    pickles = is_pickle(args.old), is_pickle(args.new)
+    if any(pickles):
+        return diff_snapshots(args) if all(pickles) else fail(
+            "diff", "one file is an allocator snapshot and the other a report: compare a "
+                    "snapshot with a snapshot, or a report with a report")
     old = read_report(args.old)
     if isinstance(old, str):
         return fail("diff", f"OLD.json: {old}")

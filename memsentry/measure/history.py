@@ -63,6 +63,8 @@ class History:
         self._interned: dict[Stack, Stack] = {}
         self._machinery: dict[types.CodeType, bool] = {}
         self.recorded = 0  # entries ever recorded
+        # (entries recorded, iteration) at each iteration's end
+        self._ends: deque[tuple[int, int]] = deque(maxlen=max_entries)
 
     @property
     def dropped(self) -> int:
@@ -75,6 +77,14 @@ class History:
         stack = self._user_stack(sys._getframe(1))
         self._stacks[addr] = stack
         self._add(ALLOC_ACTIONS, addr, size, stack)
+
+    def mark(self, iteration: int) -> None:
+        """Iteration ``iteration`` ended: its last entry is the newest one. Iterations merged
+        into it (numbered from it again) lose their marks."""
+        ends = self._ends
+        while ends and ends[-1][1] >= iteration:
+            ends.pop()
+        ends.append((self.recorded, iteration))
 
     def free(self, addr: int, size: int) -> None:
         """The storage at ``addr`` was freed."""
@@ -124,6 +134,8 @@ class History:
         live = dict(live)  # one atomic copy: another thread may be making storages
         stacks = dict(self._stacks)
         entries = list(self._entries)
+        first = self.recorded - len(entries)  # the number of the oldest entry kept
+        ends = [end - first - 1 for end, _iteration in list(self._ends) if end - first > 0]
         lists: dict[Stack, list[Frame]] = {}
         frames: dict[tuple[str, int, str], Frame] = {}
 
@@ -140,9 +152,11 @@ class History:
         trace = [{"action": action, "addr": addr, "size": size, "stream": 0,
                   "frames": frame_list(stack), "time_us": when}
                  for action, addr, size, stack, when in entries]
-        # The extra key names the device for `memsentry show` (torch's readers and the
-        # viewer read the two they know and pass over the others).
-        return {"segments": segments, "device_traces": [trace], "memsentry": {"device": "cpu"}}
+        # The extra key names the device and where each iteration ended (the index of its
+        # last trace entry) for `memsentry show`; torch's readers and the viewer read the keys
+        # they know and pass over the others.
+        return {"segments": segments, "device_traces": [trace],
+                "memsentry": {"device": "cpu", "iteration_ends": ends}}
 
 
 def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:

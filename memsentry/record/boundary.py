@@ -75,6 +75,9 @@ class Boundaries:
         self._now = budget.clock
         self.plan: IterationPlan | None = None  # the running iteration's, from the policy
         self._censuses_seen = 0  # censuses taken at the last light boundary
+        # Called as each iteration closes, while a memory_viz snapshot records the CPU's
+        # storages (record/snapshot.py): it marks where the iteration ends in the trace.
+        self.mark: Callable[[int], None] | None = None
         forward.on_passed = self._passed_unhooked
 
     def passes(self, event: Boundary, strongest: Boundary | None) -> bool:
@@ -89,6 +92,8 @@ class Boundaries:
             self._clock.index += 1
             if event is not Boundary.FORWARD:  # a forward's is clocked in its hook
                 self._stepped += 1
+            if self.mark is not None:
+                self.mark(self._clock.index - 1)
             return True
         return False
 
@@ -99,6 +104,8 @@ class Boundaries:
         self._passed += 1
         self._stepped += 1
         self._clock.index += 1
+        if self.mark is not None:
+            self.mark(self._clock.index - 1)
 
     def _charge_passed(self) -> None:
         """What the steps passed since the last closing cost beyond any clock
@@ -289,6 +296,8 @@ class Boundaries:
         index = self._clock.index
         if self._holders and boundary != Boundary.EXIT:
             self._censuses.plan(index, due=self._census_wanted(index, iterations))
+        if self.mark is not None and boundary != Boundary.EXIT:
+            self.mark(index)
         remember_store()  # a script may destroy its process group before the block ends
         self._coverage.end_iteration(index, seconds, len(self._registry.records))
         if boundary != Boundary.EXIT:  # the partial iteration at the end is no iteration

@@ -26,6 +26,7 @@ from memsentry.paths import replace_bytes
 from memsentry.record.options import Options
 
 if TYPE_CHECKING:
+    from memsentry.record.boundary import Boundaries
     from memsentry.record.recorder import Recorder
 
 #: memory_viz's page reads pickles of protocols 2 to 4 (Python 3.14 writes 5 by default).
@@ -99,6 +100,7 @@ class SnapshotRecording:
         self._live: dict[int, int] | None = None  # the CPU storages alive at the end
         self._cuda: CudaHistory | None = None  # while recording
         self._cuda_snapshot: Snapshot | None = None  # taken at the end
+        self._boundaries: Boundaries | None = None  # marking iteration ends, while recording
         self._ended = False
 
     def start(self, recorder: Recorder) -> None:
@@ -112,6 +114,8 @@ class SnapshotRecording:
                 self._history = History(self.max_entries)
                 backend.record_history(self._history)
                 self._backend = backend
+                self._boundaries = recorder._boundaries
+                self._boundaries.mark = self._history.mark
             elif (device is not None and device.type == "cuda") or (
                     device is None and torch.cuda.is_initialized()):
                 self._start_cuda()
@@ -177,6 +181,9 @@ class SnapshotRecording:
     def _stop(self, device: torch.device | None) -> None:
         backend, cuda = self._backend, self._cuda
         self._backend = self._cuda = None
+        if self._boundaries is not None:
+            self._boundaries.mark = None
+            self._boundaries = None
         if backend is not None:
             try:
                 self._live = backend.live_storages()

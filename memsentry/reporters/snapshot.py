@@ -9,6 +9,7 @@ from typing import Any
 from memsentry.model import Finding
 from memsentry.model.codec import to_plain
 from memsentry.reporters.wrap import fill
+from memsentry.snapshots.compare import SnapshotDiff
 from memsentry.snapshots.frames import Part
 from memsentry.snapshots.judge import DeviceVerdict, SiteMemory, SnapshotVerdict
 from memsentry.units import format_bytes
@@ -45,7 +46,7 @@ def _findings(findings: tuple[Finding, ...], width: int) -> list[str]:
 
 
 def _device(device: DeviceVerdict, width: int) -> list[str]:
-    beat = (f"{device.iterations} iterations read from its {device.rhythm}s"
+    beat = (f"{device.iterations} iterations read from {device.rhythm}"
             if device.iterations is not None else
             "no iterations read from it (no optimizer step nor backward in its stacks)")
     cache = device.cache
@@ -58,14 +59,19 @@ def _device(device: DeviceVerdict, width: int) -> list[str]:
         f"the largest free piece {format_bytes(cache.largest_free)}",
         "  at the peak, by phase: " + _phases(device),
     ]
+    if device.name == "cpu":  # each CPU storage is its own malloc: no cache to describe
+        del said[2]
     lines = [fill(printable(line), width, subsequent_indent="    ") for line in said]
-    lines += _sites("at the peak, by your line", device.sites_at_peak, width)
-    lines += _sites("at the end, by your line", device.sites_at_end, width)
+    lines += _sites("at the peak, by your line", device.sites_at_peak, width,
+                    device.phases_known)
+    lines += _sites("at the end, by your line", device.sites_at_end, width, device.phases_known)
     return lines
 
 
 def _phases(device: DeviceVerdict) -> str:
     """The parts at the peak, or why there are none to say."""
+    if not device.phases_known:
+        return "not told (memsentry's record of CPU storages keeps your own frames only)"
     if all(part is Part.OTHER for part, _size in device.parts_at_peak):
         return "not told (no frame of torch's in the stacks of what was alive)"
     return ", ".join(f"{part.value} {format_bytes(size)}"
@@ -76,16 +82,53 @@ def _count(number: int, noun: str) -> str:
     return f"{number:,} {noun}{'' if number == 1 else 's'}"
 
 
-def _sites(title: str, sites: tuple[SiteMemory, ...], width: int) -> list[str]:
+def _sites(title: str, sites: tuple[SiteMemory, ...], width: int, phases: bool = True
+           ) -> list[str]:
     if not sites:
         return [f"  {title}: nothing alive"]
     lines = [f"  {title}:"]
     for site in sites:
         where = site.site or "(no frame of your code)"
-        text = (f"    {format_bytes(site.bytes):>9} in {_count(site.blocks, 'block')}  "
-                f"{where}  [{site.part.name.lower()}]")
+        text = f"    {format_bytes(site.bytes):>9} in {_count(site.blocks, 'block')}  {where}"
+        if phases:
+            text += f"  [{site.part.name.lower()}]"
         lines.append(fill(printable(text), width, subsequent_indent="        "))
     return lines
+
+
+def render_snapshot_diff(change: SnapshotDiff, crossed: tuple[str, ...] = (), *,
+                         width: int = 100) -> str:
+    """Two snapshots compared: each device's peak and end, the lines whose bytes at the end
+    changed most, the findings that appeared and went, and the limits crossed."""
+    lines = [f"memsentry diff: allocator snapshots {printable(change.old_path)} -> "
+             f"{printable(change.new_path)}"]
+    for device in change.devices:
+        lines += ["", f"{device.name}: peak {_pair(device.old_peak, device.new_peak)}, "
+                      f"at the end {_pair(device.old_end, device.new_end)}"]
+        if device.sites:
+            lines.append("  what your lines held at the end (among each record's largest):")
+        for site in device.sites:
+            text = (f"    {format_bytes(site.delta, signed=True):>9}  "
+                    f"{site.site or '(no frame of your code)'}  ({format_bytes(site.old)} -> "
+                    f"{format_bytes(site.new)})")
+            lines.append(fill(printable(text), width, subsequent_indent="        "))
+    for title, found in (("Appeared", change.appeared), ("Gone", change.disappeared)):
+        if found:
+            lines += ["", f"{title} ({len(found)})", *_findings(found, width)[1:]]
+    if crossed:
+        lines += ["", "Limits crossed:"] + [f"  {text}" for text in crossed]
+    return "\n".join(lines) + "\n"
+
+
+def _pair(old: int | None, new: int | None) -> str:
+    if old is None or new is None:
+        return f"{format_bytes(old)} -> {format_bytes(new)}"
+    return f"{format_bytes(old)} -> {format_bytes(new)} ({format_bytes(new - old, signed=True)})"
+
+
+def snapshot_diff_to_json(change: SnapshotDiff, crossed: tuple[str, ...] = ()) -> str:
+    return json.dumps({"schema": SCHEMA, "kind": "allocator-snapshot-diff",
+                       "limits_crossed": list(crossed), **to_plain(change)}, indent=2)
 
 
 def snapshot_to_dict(verdict: SnapshotVerdict, findings: tuple[Finding, ...]) -> dict[str, Any]:
@@ -98,4 +141,5 @@ def snapshot_to_json(verdict: SnapshotVerdict, findings: tuple[Finding, ...]) ->
     return json.dumps(snapshot_to_dict(verdict, findings), indent=2)
 
 
-__all__ = ["SCHEMA", "render_snapshot", "snapshot_to_dict", "snapshot_to_json"]
+__all__ = ["SCHEMA", "render_snapshot", "render_snapshot_diff", "snapshot_diff_to_json",
+           "snapshot_to_dict", "snapshot_to_json"]

@@ -80,16 +80,16 @@ def pile_up_finding(pile: PileUp, device: DeviceVerdict) -> Finding:
     who = f"from {pile.site}" if pile.site else "from stacks with no frame of your code"
     if pile.iterations is not None:
         pace = (f"kept from {pile.iterations} of the last {pile.span} iterations (read from "
-                f"the {device.rhythm}s)")
+                f"{device.rhythm})")
         rate = pile.bytes / pile.iterations
     else:
         pace = (f"made at a steady pace, one burst every {pile.gap:.0f} trace entries, and "
                 "never freed (the trace shows no optimizer step nor backward to count "
                 "iterations by)")
         rate = None
+    made = f"; made in {pile.part.value}" if device.phases_known else ""
     message = (f"{format_bytes(pile.bytes)} in {pile.blocks:,} blocks {who} alive at the end "
-               f"of the record on {device.name}, {pace}; made in "
-               f"{pile.part.value}")
+               f"of the record on {device.name}, {pace}{made}")
     return Finding(rule=ACCUMULATION, severity=Severity.LEAK, message=message,
                    fix=_PILE_FIXES[pile.part], bytes=pile.bytes, rate=rate,
                    objects=pile.blocks, subject=_subject(device.name),

@@ -82,10 +82,13 @@ class Cache:
 
 @dataclass(frozen=True)
 class DeviceVerdict:
-    """What one device's record shows; ``name`` is how it is said (``cuda:0``)."""
+    """What one device's record shows; ``name`` is how it is said (``cuda:0``);
+    ``phases_known`` is false where the stacks hold the user's frames only (the CPU record
+    memsentry keeps), so no phase can be read from them."""
 
     device: int
     name: str
+    phases_known: bool
     entries: int
     before: int
     peak: int
@@ -121,9 +124,10 @@ def judge(snapshot: AllocatorSnapshot) -> SnapshotVerdict:
 def judge_device(snapshot: AllocatorSnapshot, device: int) -> DeviceVerdict:
     played = replay(snapshot, device)
     trace = snapshot.traces[device] if device < len(snapshot.traces) else ()
-    beat = rhythm(trace)
+    beat = rhythm(trace, snapshot.iteration_ends if device == 0 else None)
     return DeviceVerdict(
-        device=device, name=snapshot.device_name(device), entries=played.entries,
+        device=device, name=snapshot.device_name(device),
+        phases_known=snapshot.device_type != "cpu", entries=played.entries,
         before=played.before, peak=played.peak, end=played.end,
         iterations=beat.iterations if beat else None,
         rhythm=beat.source if beat else None, parts_at_peak=parts(played.at_peak.values()),

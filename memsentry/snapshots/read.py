@@ -39,7 +39,7 @@ class SnapshotError(MemsentryError, ValueError):
     in one line."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Frame:
     """One frame of the Python stack that asked for memory (innermost first in a stack)."""
 
@@ -48,7 +48,7 @@ class Frame:
     name: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """A piece of a segment: in use by a tensor (``active_allocated``), waiting for another
     stream (``active_pending_free``; the docstring of ``_snapshot`` says
@@ -66,7 +66,7 @@ class Block:
         return self.state == "active_allocated"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Segment:
     """Memory the allocator got from the device (a ``cudaMalloc``), cut into blocks."""
 
@@ -80,7 +80,7 @@ class Segment:
     blocks: tuple[Block, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """One entry of a device's trace: ``alloc``, ``free_requested``, ``free_completed``,
     ``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``, ``oom`` or
@@ -99,10 +99,12 @@ class Event:
     device_free: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AllocatorSnapshot:
     """What one snapshot file holds: the segments alive when it was taken, each device's
-    trace (``traces[i]`` is device ``i``'s) and the allocator's settings."""
+    trace (``traces[i]`` is device ``i``'s) and the allocator's settings; for a snapshot
+    ``track(snapshot=...)`` recorded on the CPU, ``device_type`` is ``"cpu"`` and
+    ``iteration_ends`` the index of each iteration's last trace entry."""
 
     path: str
     file_bytes: int
@@ -110,6 +112,7 @@ class AllocatorSnapshot:
     traces: tuple[tuple[Event, ...], ...]
     settings: tuple[tuple[str, str | int | float | bool | None], ...] = ()
     device_type: str = "cuda"
+    iteration_ends: tuple[int, ...] | None = None
 
     def device_name(self, index: int) -> str:
         """``cuda:0``; ``cpu`` for the snapshots memsentry records on the CPU."""
@@ -208,13 +211,23 @@ def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
     return AllocatorSnapshot(path=path, file_bytes=file_bytes, segments=segments,
                              traces=traces, settings=_settings(top.get("allocator_settings"),
                                                                path),
-                             device_type=_device_type(top.get("memsentry")))
+                             device_type=_device_type(top.get("memsentry")),
+                             iteration_ends=_iteration_ends(top.get("memsentry"), path))
 
 
 def _device_type(marks: object) -> str:
     """The device a snapshot memsentry wrote names (``cpu``); ``cuda`` for torch's own."""
     device = marks.get("device") if isinstance(marks, dict) else None
     return device if device == "cpu" else "cuda"
+
+
+def _iteration_ends(marks: object, path: str) -> tuple[int, ...] | None:
+    """Where memsentry's iterations ended in the trace, when it recorded the snapshot."""
+    ends = marks.get("iteration_ends") if isinstance(marks, dict) else None
+    if ends is None:
+        return None
+    return tuple(_int(end, path, f"memsentry.iteration_ends[{i}]")
+                 for i, end in enumerate(_list(ends, path, "memsentry.iteration_ends")))
 
 
 class _Frames:

@@ -14,7 +14,7 @@ from memsentry.snapshots.read import Event
 @dataclass(frozen=True)
 class Rhythm:
     """Iteration ends (the index of each step's or backward's last ``alloc`` entry) and what
-    they were read from (``"optimizer step"``, ``"backward"``)."""
+    they were read from (``"its optimizer steps"``, ``"its backwards"``, memsentry's marks)."""
 
     ends: tuple[int, ...]
     source: str
@@ -31,12 +31,18 @@ class Rhythm:
         return bisect.bisect_left(self.ends, index)
 
 
-def rhythm(trace: tuple[Event, ...]) -> Rhythm | None:
-    """The iterations of ``trace``: by its optimizer steps, else by its backwards; ``None``
-    when it shows fewer than two of either."""
-    parts = [(index, part_of(event.frames)) for index, event in enumerate(trace)
-             if event.action == "alloc"]
-    for part, source in ((Part.STEP, "optimizer step"), (Part.BACKWARD, "backward")):
+def rhythm(trace: tuple[Event, ...], marks: tuple[int, ...] | None = None) -> Rhythm | None:
+    """The iterations of ``trace``: where ``marks`` says they ended (memsentry marked them
+    while recording), else by its optimizer steps, else by its backwards; ``None`` when it
+    shows fewer than two of either."""
+    allocs = [index for index, event in enumerate(trace) if event.action == "alloc"]
+    if marks:
+        ends = sorted(end for end in marks if end < len(trace))
+        if len(ends) >= 2:
+            return Rhythm(tuple(ends), "the iteration ends memsentry marked",
+                          open_end=bool(allocs) and allocs[-1] > ends[-1])
+    parts = [(index, part_of(trace[index].frames)) for index in allocs]
+    for part, source in ((Part.STEP, "its optimizer steps"), (Part.BACKWARD, "its backwards")):
         ends = _run_ends(parts, part)
         if len(ends) >= 2:
             return Rhythm(tuple(ends), source, open_end=parts[-1][0] > ends[-1])
