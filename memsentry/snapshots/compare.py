@@ -62,12 +62,15 @@ def compare(old: SnapshotVerdict, old_findings: tuple[Finding, ...], new: Snapsh
     news = {device.name: device for device in new.devices}
     names = list(news) + [name for name in olds if name not in news]
     devices = tuple(_device(name, olds.get(name), news.get(name), top) for name in names)
-    old_keys = {_key(f) for f in old_findings}
-    new_keys = {_key(f) for f in new_findings}
-    return SnapshotDiff(
-        old_path=old.path, new_path=new.path, devices=devices,
-        appeared=tuple(f for f in new_findings if _key(f) not in old_keys),
-        disappeared=tuple(f for f in old_findings if _key(f) not in new_keys))
+    return SnapshotDiff(old_path=old.path, new_path=new.path, devices=devices,
+                        appeared=_unmatched(new_findings, old_findings),
+                        disappeared=_unmatched(old_findings, new_findings))
+
+
+def _unmatched(found: tuple[Finding, ...], others: tuple[Finding, ...]) -> tuple[Finding, ...]:
+    """The findings of ``found`` that ``others`` has none of (by :func:`_key`)."""
+    keys = {_key(finding) for finding in others}
+    return tuple(finding for finding in found if _key(finding) not in keys)
 
 
 def _key(finding: Finding) -> tuple[str, str | None, str | None]:

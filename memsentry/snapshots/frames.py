@@ -3,12 +3,14 @@
 The snapshot may come from another machine, so whether a file is the user's is told from its
 path alone: installed packages (``site-packages``, ``dist-packages``), a Python's standard
 library (``.../lib/python3.X/``), frozen modules, and native frames (``stacks="all"`` adds
-C++ frames: ``.cpp``/``.h``/``.cu`` files, or ``??``) are not.
+C++ frames: ``.cpp``/``.h``/``.cu`` files, or ``??``) are not. Both readings are cached by
+stack: a trace repeats a few thousand stacks millions of times.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 
 from memsentry.snapshots.read import Frame
@@ -25,6 +27,7 @@ def is_user_frame(frame: Frame) -> bool:
     return "-packages" not in name and _STDLIB.search(name) is None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
     """The innermost frame of the user's code in a stack (innermost first)."""
     for frame in frames:
@@ -51,6 +54,7 @@ def _torch_file(frame: Frame) -> str | None:
     return name[at + 7:] if at >= 0 else None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def part_of(frames: tuple[Frame, ...]) -> Part:
     """The phase a stack (innermost first) was in: an optimizer's step, autograd's backward,
     a module's forward, moving or building a model (``Module._apply``, a module's

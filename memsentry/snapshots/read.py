@@ -21,7 +21,7 @@ import os
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from memsentry.errors import MemsentryError
 from memsentry.units import format_bytes
@@ -39,9 +39,11 @@ class SnapshotError(MemsentryError, ValueError):
     in one line."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Frame:
-    """One frame of the Python stack that asked for memory (innermost first in a stack)."""
+    """One frame of the Python stack that asked for memory (innermost first in a stack).
+    Frames of one snapshot are read once each (equal ones are the same value), so they
+    compare and hash by identity: a stack of them hashes in a few nanoseconds a frame."""
 
     filename: str
     line: int
@@ -80,9 +82,10 @@ class Segment:
     blocks: tuple[Block, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One entry of a device's trace: ``alloc``, ``free_requested``, ``free_completed``,
+class Event(NamedTuple):
+    """One entry of a device's trace (a named tuple, not a dataclass: a trace has millions of
+    entries, and a frozen dataclass takes four times as long to make): ``alloc``,
+    ``free_requested``, ``free_completed``,
     ``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``, ``oom`` or
     ``snapshot`` (others, from later torches, are kept and passed over). ``size`` is the bytes
     requested (an ``oom``'s is rounded); ``address`` is ``None`` where the entry has none
@@ -197,17 +200,15 @@ def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
     """The snapshot a dict as ``torch.cuda.memory._snapshot()`` returns holds (raises
     :class:`SnapshotError` naming the first field that is not as the format has it)."""
     top = _mapping(data, path, "the file")
-    frames = _Frames()
-    segments = tuple(_segment(item, frames, f"segments[{i}]", path)
-                     for i, item in enumerate(_list(top.get("segments", []), path, "segments")))
-    traces = tuple(
-        tuple(_event(entry, frames, f"device_traces[{d}][{i}]", path)
-              for i, entry in enumerate(_list(trace, path, f"device_traces[{d}]")))
-        for d, trace in enumerate(_list(top.get("device_traces", []), path, "device_traces")))
     if "segments" not in top and "device_traces" not in top:
         raise SnapshotError(f"{path}: a pickle, but not of an allocator snapshot (no "
                             "`segments` nor `device_traces`); give a file written by "
                             "torch.cuda.memory._dump_snapshot()")
+    frames = _Frames(path)
+    segments = tuple(_segment(item, frames, f"segments[{i}]", path)
+                     for i, item in enumerate(_list(top.get("segments", []), path, "segments")))
+    traces = tuple(_trace(trace, frames, d, path) for d, trace in
+                   enumerate(_list(top.get("device_traces", []), path, "device_traces")))
     return AllocatorSnapshot(path=path, file_bytes=file_bytes, segments=segments,
                              traces=traces, settings=_settings(top.get("allocator_settings"),
                                                                path),
@@ -231,26 +232,71 @@ def _iteration_ends(marks: object, path: str) -> tuple[int, ...] | None:
 
 
 class _Frames:
-    """Frames read so far, so that a frame repeated in thousands of stacks is one value."""
+    """Frames and stacks read so far. A frame repeated in thousands of stacks is one value,
+    and so is a stack: torch's pickle shares each frame's dict between the entries that hold
+    it, so a dict met before is known by its identity and read once (the file's objects stay
+    alive while it is read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self._path = path
         self._known: dict[tuple[str, int, str], Frame] = {}
+        self._seen: dict[int, tuple[object, Frame]] = {}
+        self._stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+        # the identities of a stack's frame dicts -> the stack (the dicts are kept in _seen)
+        self._by_ids: dict[tuple[int, ...], tuple[Frame, ...]] = {}
 
-    def stack(self, value: object, path: str, field: str) -> tuple[Frame, ...]:
+    def stack(self, value: object, field: Field) -> tuple[Frame, ...]:
+        """The stack of ``value`` (a list of frame dicts, or ``None``); ``field`` names it
+        for an error (:func:`_name`)."""
         if value is None:
             return ()
-        found = []
-        for index, item in enumerate(_list(value, path, field)):
-            where = f"{field}[{index}]"
-            entry = _mapping(item, path, where)
-            key = (_text(entry.get("filename", "??"), path, f"{where}.filename"),
-                   _int(entry.get("line", 0), path, f"{where}.line"),
-                   _text(entry.get("name", "??"), path, f"{where}.name"))
-            frame = self._known.get(key)
-            if frame is None:
-                frame = self._known[key] = Frame(*key)
-            found.append(frame)
-        return tuple(found)
+        if type(value) is not list:
+            _list(value, self._path, _name(field))
+        ids = tuple(map(id, value))  # type: ignore[call-overload]
+        stack = self._by_ids.get(ids)
+        if stack is None:
+            stack = self._read(value, field)  # type: ignore[arg-type]
+            self._by_ids[ids] = stack
+        return stack
+
+    def _read(self, value: list[object], field: Field) -> tuple[Frame, ...]:
+        """A stack first met (its frame dicts, by their identities, in this order)."""
+        seen = self._seen
+        found: list[Frame] = []
+        for item in value:
+            known = seen.get(id(item))
+            found.append(known[1] if known is not None else
+                         self._frame(item, f"{_name(field)}[{len(found)}]"))
+        stack = tuple(found)
+        return self._stacks.setdefault(stack, stack)
+
+    def _frame(self, item: object, where: str) -> Frame:
+        entry = _mapping(item, self._path, where)
+        key = (_text(entry.get("filename", "??"), self._path, f"{where}.filename"),
+               _int(entry.get("line", 0), self._path, f"{where}.line"),
+               _text(entry.get("name", "??"), self._path, f"{where}.name"))
+        frame = self._known.get(key)
+        if frame is None:
+            frame = self._known[key] = Frame(*key)
+        self._seen[id(item)] = (item, frame)
+        return frame
+
+
+#: A field's name, or where a trace entry's stack is: (device, index of the entry).
+Field = str | tuple[int, int]
+
+
+def _name(field: Field) -> str:
+    if isinstance(field, str):
+        return field
+    device, index = field
+    return f"device_traces[{device}][{index}].frames"
+
+
+def _trace(value: object, frames: _Frames, device: int, path: str) -> tuple[Event, ...]:
+    entries = _list(value, path, f"device_traces[{device}]")
+    return tuple(_event(entry, frames, (device, index), path)
+                 for index, entry in enumerate(entries))
 
 
 def _segment(value: object, frames: _Frames, field: str, path: str) -> Segment:
@@ -277,10 +323,33 @@ def _block(value: object, frames: _Frames, field: str, path: str) -> Block:
         address=_int(entry.get("address", 0), path, f"{field}.address"), size=size,
         requested=_int(entry.get("requested_size", size), path, f"{field}.requested_size"),
         state=_text(entry.get("state", ""), path, f"{field}.state"),
-        frames=frames.stack(entry.get("frames"), path, f"{field}.frames"))
+        frames=frames.stack(entry.get("frames"), f"{field}.frames"))
 
 
-def _event(value: object, frames: _Frames, field: str, path: str) -> Event:
+_INT_OR_NONE = (int, type(None))
+
+
+def _event(value: object, frames: _Frames, at: tuple[int, int], path: str) -> Event:
+    """The trace entry ``at`` (device, index): read at once where every field has its type
+    (nearly always: a trace has millions), else field by field, to name the one that does
+    not."""
+    if type(value) is dict:
+        get = value.get
+        action, address, size, stream = (get("action"), get("addr"), get("size", 0),
+                                          get("stream", 0))
+        time_us, device_free = get("time_us"), get("device_free")
+        if _plain(action, size, stream) and type(address) in _INT_OR_NONE \
+                and type(time_us) in _INT_OR_NONE and type(device_free) in _INT_OR_NONE:
+            return Event(cast(str, action), address, size, stream,
+                         frames.stack(get("frames"), at), time_us, device_free)
+    return _checked_event(value, frames, _name(at).removesuffix(".frames"), path)
+
+
+def _plain(action: object, size: object, stream: object) -> bool:
+    return type(action) is str and type(size) is int and type(stream) is int
+
+
+def _checked_event(value: object, frames: _Frames, field: str, path: str) -> Event:
     entry = _mapping(value, path, field)
     address = entry.get("addr")
     time_us = entry.get("time_us")
@@ -290,7 +359,7 @@ def _event(value: object, frames: _Frames, field: str, path: str) -> Event:
         address=None if address is None else _int(address, path, f"{field}.addr"),
         size=_int(entry.get("size", 0), path, f"{field}.size"),
         stream=_int(entry.get("stream", 0), path, f"{field}.stream"),
-        frames=frames.stack(entry.get("frames"), path, f"{field}.frames"),
+        frames=frames.stack(entry.get("frames"), f"{field}.frames"),
         time_us=None if time_us is None else _int(time_us, path, f"{field}.time_us"),
         device_free=None if device_free is None else _int(device_free, path,
                                                           f"{field}.device_free"))

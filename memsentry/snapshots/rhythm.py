@@ -36,17 +36,25 @@ def rhythm(trace: tuple[Event, ...], marks: tuple[int, ...] | None = None) -> Rh
     while recording), else by its optimizer steps, else by its backwards; ``None`` when it
     shows fewer than two of either."""
     allocs = [index for index, event in enumerate(trace) if event.action == "alloc"]
-    if marks:
-        ends = sorted(end for end in marks if end < len(trace))
-        if len(ends) >= 2:
-            return Rhythm(tuple(ends), "the iteration ends memsentry marked",
-                          open_end=bool(allocs) and allocs[-1] > ends[-1])
+    last = allocs[-1] if allocs else -1
+    marked = _marked(marks, len(trace), last)
+    if marked is not None:
+        return marked
     parts = [(index, part_of(trace[index].frames)) for index in allocs]
     for part, source in ((Part.STEP, "its optimizer steps"), (Part.BACKWARD, "its backwards")):
         ends = _run_ends(parts, part)
         if len(ends) >= 2:
-            return Rhythm(tuple(ends), source, open_end=parts[-1][0] > ends[-1])
+            return Rhythm(tuple(ends), source, open_end=last > ends[-1])
     return None
+
+
+def _marked(marks: tuple[int, ...] | None, entries: int, last: int) -> Rhythm | None:
+    """The iterations memsentry's ``marks`` give a trace of ``entries`` whose last
+    allocation is at ``last``; ``None`` with fewer than two."""
+    ends = sorted(end for end in marks or () if end < entries)
+    if len(ends) < 2:
+        return None
+    return Rhythm(tuple(ends), "the iteration ends memsentry marked", open_end=last > ends[-1])
 
 
 def _run_ends(parts: list[tuple[int, Part]], wanted: Part) -> list[int]:
