@@ -220,6 +220,19 @@ def test_show_prints_the_verdict_as_text_and_json(tmp_path: Path) -> None:
     assert show(path, "-o", out).returncode == 0 and "LEAK" in out.read_text()
 
 
+def test_show_writes_the_verdict_as_a_page(tmp_path: Path) -> None:
+    path = write(snapshot(training(20, keep="output")), tmp_path / "leak <1>.pickle")
+    page = tmp_path / "verdict.html"
+    result = show(path, "--html", page)
+    assert result.returncode == 0 and "the verdict's page written to" in result.stderr
+    text = page.read_text()
+    assert "<title>memsentry: 1 LEAK in " in text and "leak &lt;1&gt;.pickle" in text
+    assert "/home/me/train.py:42 (train)" in text and "<script" not in text
+    clean = write(snapshot(training(20)), tmp_path / "clean.pickle")
+    assert show(clean, "--html", page).returncode == 0
+    assert "<title>memsentry: no finding in " in page.read_text()
+
+
 def test_show_of_a_report_is_unchanged(tmp_path: Path) -> None:
     model = nn.Linear(4, 4)
     with memsentry.track(model, on_leak="ignore") as tracker:

@@ -4,6 +4,7 @@ snapshot (``torch.cuda.memory._dump_snapshot()``, ``track(snapshot=...)``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from memsentry.cli.args import add_table_options, fail
@@ -12,10 +13,12 @@ from memsentry.paths import replace_text, unwritable
 from memsentry.reporters import REPORTERS, HtmlReporter, TextReporter, make_reporter
 from memsentry.reporters.plotly import INSTALL_HINT, have_plotly
 from memsentry.reporters.snapshot import render_snapshot, snapshot_to_json
+from memsentry.reporters.snapshot_html import render_snapshot_html
 from memsentry.snapshots import DEFAULT_LIMIT, SnapshotError, is_pickle, read_snapshot
 from memsentry.snapshots.findings import findings
 from memsentry.snapshots.judge import judge
 from memsentry.units import format_bytes, parse_size
+from memsentry.usercode.text import printable
 
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
@@ -75,18 +78,18 @@ def run(args: argparse.Namespace) -> int:
 
 def show_snapshot(args: argparse.Namespace) -> int:
     """Judge the allocator snapshot at ``args.report`` and print the verdict (text or JSON)."""
-    if args.html or args.format == HtmlReporter.name:
-        return fail("show", "a snapshot's verdict is written as text or JSON (--format json); "
-                            "for a page of its timeline open the file at "
-                            "https://pytorch.org/memory_viz")
     try:
         snapshot = read_snapshot(args.report, limit=args.max_snapshot_size)
     except SnapshotError as error:
         return fail("show", str(error))
     verdict = judge(snapshot)
     found = findings(verdict)
+    if args.html:
+        return _write_snapshot_page(args.html, render_snapshot_html(verdict, found))
     if args.format == "json":
         text = snapshot_to_json(verdict, found) + "\n"
+    elif args.format == HtmlReporter.name:
+        text = render_snapshot_html(verdict, found)
     else:
         text = render_snapshot(verdict, found, width=args.width,
                                findings_only=args.view == "findings")
@@ -98,6 +101,18 @@ def show_snapshot(args: argparse.Namespace) -> int:
     except OSError as error:
         return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
                             "writable path")
+    return 0
+
+
+def _write_snapshot_page(path: str, page: str) -> int:
+    try:
+        replace_text(path, page)
+    except OSError as error:
+        return fail("show", f"--html: could not write {path!r} ({reason(error)}); give a "
+                            "writable path")
+    size = os.path.getsize(path) / 2**10
+    print(f"memsentry: the verdict's page written to {printable(path)} ({size:,.0f} KiB; it "
+          "opens offline in any browser)", file=sys.stderr)
     return 0
 
 
