@@ -329,3 +329,18 @@ def test_diff_refuses_a_snapshot_against_a_report_and_report_only_options(
     assert mixed.returncode == 2 and "compare a snapshot with a snapshot" in mixed.stderr
     growth = diff(snap, snap, "--max-growth-increase", "1MiB")
     assert growth.returncode == 2 and "--max-growth-increase applies to reports" in growth.stderr
+
+
+@pytest.mark.parametrize("filename, mine", [
+    ("/home/me/train.py", True), (r"C:\Users\me\train.py", True),
+    ("/home/me/lib/train.py", True), ("/usr/lib/python3.11/threading.py", False),
+    (r"C:\Python311\Lib\threading.py", False), ("<frozen runpy>", False),
+    ("/opt/conda/lib/python3.10/site-packages/torch/nn/modules/module.py", False),
+    ("/usr/lib/python3/dist-packages/numpy/core.py", False),
+    ("/pytorch/c10/cuda/CUDACachingAllocator.cpp", False), ("??", False),
+])
+def test_the_users_frames_are_told_from_the_path_alone(filename: str, mine: bool) -> None:
+    from memsentry.snapshots.frames import is_user_frame
+    from memsentry.snapshots.read import Frame
+
+    assert is_user_frame(Frame(filename, 1, "f")) is mine

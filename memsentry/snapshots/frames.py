@@ -15,7 +15,8 @@ import re
 
 from memsentry.snapshots.read import Frame
 
-_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]")
+#: A Python's standard library: ``/usr/lib/python3.11/``, ``C:\\Python311\\Lib\\``.
+_STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]|python3\d*[/\\]lib[/\\]", re.IGNORECASE)
 _NATIVE = (".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".c", ".so")
 
 
