@@ -226,7 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
                   "--exact", metavar="FILE")),
     Setting("snapshot_entries", "int", SNAPSHOT_ENTRIES, low=1, help=(
         "The memory_viz trace entries kept, the oldest dropped (a CPU storage takes five: "
-        "made and freed).")),
+        "made and freed)."),
+        flag=Flag("--snapshot-entries", "with --snapshot: the trace entries kept, the oldest "
+                  f"dropped (default {SNAPSHOT_ENTRIES:,}; a CPU storage takes five)",
+                  metavar="N")),
     Setting("names", "names", (), framework=False, help=(
         "Objects a framework runs, as (name, object, role) triples, named the way their own "
         "methods spell them: ('self', lightning_module, 'LightningModule'). The holder search "

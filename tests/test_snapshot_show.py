@@ -344,3 +344,56 @@ def test_the_users_frames_are_told_from_the_path_alone(filename: str, mine: bool
     from memsentry.snapshots.read import Frame
 
     assert is_user_frame(Frame(filename, 1, "f")) is mine
+
+
+def test_a_line_that_keeps_some_of_what_it_makes_each_iteration_is_a_leak() -> None:
+    # `log_probs.extend(...)` of an episode: the line makes temporaries its backward frees at
+    # the episode's end, beside the tensors a global list keeps (the same stack for both)
+    gpu = FakeAllocator()
+    line = [fake.user(89, "act"), fake.MAIN]
+    for _ in range(12):
+        temporaries = []
+        for _ in range(5):
+            temporaries.append(gpu.alloc(4 * KIB, line))
+            gpu.alloc(512, line)  # kept
+        gpu.free(gpu.alloc(4, fake.stack(fake.STEP, 95)))  # the update ends the episode
+        for address in temporaries:
+            gpu.free(address)
+    _verdict, found = verdict_of(snapshot(gpu))
+    [leak] = found
+    assert str(leak.location) == "/home/me/train.py:89" and leak.objects == 60
+    assert "kept from 12 of the last 12 iterations" in leak.message
+
+
+def test_a_trace_that_dropped_its_oldest_entries_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "cut.pickle"
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import torch\n"
+        "kept = []\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "for _ in range(40):\n"
+        "    out = model(torch.randn(4, 8))\n"
+        "    out.sum().backward()\n"
+        "    kept.append(out)\n")
+    run = subprocess.run([sys.executable, "-m", "memsentry", "run", "--snapshot", str(path),
+                          "--snapshot-entries", "300", str(script)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(show(path).stdout.split())  # as one line, whatever the wrapping
+    assert "oldest were dropped (raise --snapshot-entries" in text
+    assert "more from this line are alive from before the trace began" in text
+
+
+def test_diff_compares_every_line_not_only_the_largest(tmp_path: Path) -> None:
+    def record(extra: int) -> Path:
+        gpu = FakeAllocator()
+        for line in range(100, 112):  # twelve lines, each holding one block at the end
+            gpu.alloc((line - 99) * MIB, [fake.user(line), fake.MAIN])
+        gpu.alloc(extra or 1, [fake.user(300), fake.MAIN])
+        return write(snapshot(gpu), tmp_path / f"r{extra}.pickle")
+
+    plain = diff(record(0), record(5 * KIB))
+    assert plain.returncode == 0
+    lines = [text for text in plain.stdout.splitlines() if "train.py:" in text]
+    assert len(lines) == 1 and "train.py:300" in lines[0]  # the others held the same

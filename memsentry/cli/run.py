@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from memsentry.cli.args import add_table_options, fail
+from memsentry.cli.args import add_table_options, at_least, fail
 from memsentry.cli.endings import Endings, Exited, Stopped, die_of, signal_name
 from memsentry.cli.exits import end_interrupted
 from memsentry.cli.files import reason
@@ -57,6 +57,9 @@ def _add_flag(parser: argparse.ArgumentParser, setting: Setting, flag: Flag) -> 
         parser.add_argument(flag.name, action="store_true", help=text)
     elif flag.metavar == "SECONDS":
         parser.add_argument(flag.name, metavar=flag.metavar, type=_seconds,
+                            default=setting.default, help=text)
+    elif flag.metavar == "N":
+        parser.add_argument(flag.name, metavar=flag.metavar, type=at_least(1),
                             default=setting.default, help=text)
     else:
         parser.add_argument(flag.name, metavar=flag.metavar, help=text)
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         return script
     try:
         tracker = Tracker(device=args.device, exact=args.exact, on_leak="ignore",
-                          snapshot=bool(args.snapshot), gather_timeout=args.gather_timeout,
+                          snapshot=bool(args.snapshot), snapshot_entries=args.snapshot_entries,
+                          gather_timeout=args.gather_timeout,
                           alarm=_alarm, report_path=_live_path(args.json), watch=args.watch,
                           overhead=_overhead(args))
     except (MemsentryError, TypeError, ValueError) as exc:

@@ -152,11 +152,11 @@ class History:
         trace = [{"action": action, "addr": addr, "size": size, "stream": 0,
                   "frames": frame_list(stack), "time_us": when}
                  for action, addr, size, stack, when in entries]
-        # The extra key names the device and where each iteration ended (the index of its
-        # last trace entry) for `memsentry show`; torch's readers and the viewer read the keys
-        # they know and pass over the others.
+        # The extra key names the device, where each iteration ended (the index of its last
+        # trace entry) and how many older entries were dropped, for `memsentry show`;
+        # torch's readers and the viewer read the keys they know and pass over the others.
         return {"segments": segments, "device_traces": [trace],
-                "memsentry": {"device": "cpu", "iteration_ends": ends}}
+                "memsentry": {"device": "cpu", "iteration_ends": ends, "dropped": first}}
 
 
 def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:

@@ -11,12 +11,18 @@ from memsentry.model.codec import to_plain
 from memsentry.reporters.wrap import fill
 from memsentry.snapshots.compare import SnapshotDiff
 from memsentry.snapshots.frames import Part
-from memsentry.snapshots.judge import DeviceVerdict, SiteMemory, SnapshotVerdict
+from memsentry.snapshots.judge import TOP_SITES, DeviceVerdict, SiteMemory, SnapshotVerdict
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable
 
 #: The version of the JSON layout below.
 SCHEMA = 1
+
+NO_FINDINGS = (
+    "No findings: no line's blocks piled up once per iteration, no out-of-memory error is in "
+    "the trace, and the cache was not cut up. A snapshot holds tensor storages only: an "
+    "autograd graph kept without its saved tensors (`total += loss` after backward), Python "
+    "objects and hooks are not in it (track() and `memsentry run` see those).")
 
 
 def render_snapshot(verdict: SnapshotVerdict, findings: tuple[Finding, ...], *,
@@ -34,8 +40,7 @@ def render_snapshot(verdict: SnapshotVerdict, findings: tuple[Finding, ...], *,
 
 def _findings(findings: tuple[Finding, ...], width: int) -> list[str]:
     if not findings:
-        return ["No findings: no line's blocks piled up once per iteration, no out-of-memory "
-                "error is in the trace, and the cache was not cut up."]
+        return [NO_FINDINGS]
     lines = [f"Findings ({len(findings)})"]
     for finding in findings:
         head = f"  {finding.severity.value.upper()} {finding.rule}: {finding.message}"
@@ -51,7 +56,7 @@ def _device(device: DeviceVerdict, width: int) -> list[str]:
             "no iterations read from it (no optimizer step nor backward in its stacks)")
     cache = device.cache
     said = [
-        f"{device.name}: {device.entries:,} trace entries; {beat}",
+        f"{device.name}: {device.entries:,} trace entries; {beat}" + _window(device),
         f"  allocated: {format_bytes(device.before)} when the trace began, peak "
         f"{format_bytes(device.peak)}, {format_bytes(device.end)} at the end",
         f"  cached when the snapshot was taken: {format_bytes(cache.reserved)} reserved in "
@@ -66,6 +71,19 @@ def _device(device: DeviceVerdict, width: int) -> list[str]:
                     device.phases_known)
     lines += _sites("at the end, by your line", device.sites_at_end, width, device.phases_known)
     return lines
+
+
+def _window(device: DeviceVerdict) -> str:
+    """What the trace leaves out: the entries memsentry's bound dropped, or (torch's, which
+    does not say) the memory allocated before its first entry."""
+    if device.dropped:
+        return (f"; the {device.dropped:,} oldest were dropped (raise --snapshot-entries or "
+                "track(snapshot_entries=...) to keep them)")
+    if device.dropped is None and device.before:
+        return (f"; {format_bytes(device.before)} was allocated before its first entry: it "
+                "holds the newest entries only (raise max_entries of "
+                "torch.cuda.memory._record_memory_history)")
+    return ""
 
 
 def _phases(device: DeviceVerdict) -> str:
@@ -87,7 +105,7 @@ def _sites(title: str, sites: tuple[SiteMemory, ...], width: int, phases: bool =
     if not sites:
         return [f"  {title}: nothing alive"]
     lines = [f"  {title}:"]
-    for site in sites:
+    for site in sites[:TOP_SITES]:
         where = site.site or "(no frame of your code)"
         text = f"    {format_bytes(site.bytes):>9} in {_count(site.blocks, 'block')}  {where}"
         if phases:

@@ -8,7 +8,8 @@ import html
 
 from memsentry.model import Finding
 from memsentry.reporters.html import rich_text
-from memsentry.snapshots.judge import DeviceVerdict, SiteMemory, SnapshotVerdict
+from memsentry.reporters.snapshot import NO_FINDINGS
+from memsentry.snapshots.judge import TOP_SITES, DeviceVerdict, SiteMemory, SnapshotVerdict
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable
 
@@ -52,8 +53,7 @@ def render_snapshot_html(verdict: SnapshotVerdict, findings: tuple[Finding, ...]
 
 def _findings(findings: tuple[Finding, ...]) -> str:
     if not findings:
-        return ("<p>No findings: no line's blocks piled up once per iteration, no "
-                "out-of-memory error is in the trace, and the cache was not cut up.</p>")
+        return f"<p>{rich_text(NO_FINDINGS)}</p>"
     items = []
     for finding in findings:
         kind = finding.severity.value
@@ -94,7 +94,7 @@ def _sites(heading: str, sites: tuple[SiteMemory, ...]) -> str:
     rows = "".join(
         f"<tr><td class='num'>{format_bytes(site.bytes)}</td><td class='num'>{site.blocks:,}"
         f"</td><td><code>{html.escape(printable(site.site or '(no frame of your code)'))}"
-        f"</code></td></tr>" for site in sites)
+        f"</code></td></tr>" for site in sites[:TOP_SITES])
     header = "<tr><th>bytes</th><th>blocks</th><th>line</th></tr>"
     return f"<h3>{html.escape(heading)}</h3><table>{header}{rows}</table>"
 

@@ -88,8 +88,10 @@ def pile_up_finding(pile: PileUp, device: DeviceVerdict) -> Finding:
                 "iterations by)")
         rate = None
     made = f"; made in {pile.part.value}" if device.phases_known else ""
-    message = (f"{format_bytes(pile.bytes)} in {pile.blocks:,} blocks {who} alive at the end "
-               f"of the record on {device.name}, {pace}{made}")
+    older = (f" ({pile.before:,} more from this line are alive from before the trace began)"
+             if pile.before else "")
+    message = (f"{format_bytes(pile.bytes)} in {pile.blocks:,} blocks {who} made in the "
+               f"trace and alive at its end on {device.name}{older}, {pace}{made}")
     return Finding(rule=ACCUMULATION, severity=Severity.LEAK, message=message,
                    fix=_PILE_FIXES[pile.part], bytes=pile.bytes, rate=rate,
                    objects=pile.blocks, subject=_subject(device.name),

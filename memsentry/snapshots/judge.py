@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memsentry.snapshots.frames import Part, part_of, user_frame
 from memsentry.snapshots.read import AllocatorSnapshot, Event, Frame, Segment
@@ -23,7 +23,7 @@ MIN_SHARE = 0.75
 #: at gaps no longer than ``MAX_GAP`` times their median.
 MIN_BLOCKS_UNTIMED = 8
 MAX_GAP = 3.0
-#: Sites listed at the peak and at the end.
+#: Sites the reports list at the peak and at the end (the verdict keeps all).
 TOP_SITES = 8
 
 
@@ -43,7 +43,8 @@ class PileUp:
     """Blocks made by one line of the user's code that stayed alive, once per iteration:
     ``blocks`` of ``bytes`` in all, kept in ``iterations`` of the ``span`` iterations from
     the first one kept to the end (``None``: the trace shows no iterations, and the blocks
-    came at regular gaps of about ``gap`` entries)."""
+    came at regular gaps of about ``gap`` entries). ``before``: blocks of the same line alive
+    at the end that were made before the trace began (not in ``blocks``)."""
 
     site: str | None
     part: Part
@@ -52,6 +53,7 @@ class PileUp:
     iterations: int | None
     span: int | None
     gap: float | None
+    before: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class DeviceVerdict:
     name: str
     phases_known: bool
     entries: int
+    dropped: int | None
     before: int
     peak: int
     end: int
@@ -128,6 +131,7 @@ def judge_device(snapshot: AllocatorSnapshot, device: int) -> DeviceVerdict:
     return DeviceVerdict(
         device=device, name=snapshot.device_name(device),
         phases_known=snapshot.device_type != "cpu", entries=played.entries,
+        dropped=snapshot.dropped,
         before=played.before, peak=played.peak, end=played.end,
         iterations=beat.iterations if beat else None,
         rhythm=beat.source if beat else None, parts_at_peak=parts(played.at_peak.values()),
@@ -151,8 +155,9 @@ def parts(blocks: Iterable[Alive]) -> tuple[tuple[Part, int], ...]:
     return tuple(sorted(found.items(), key=lambda item: -item[1]))
 
 
-def sites(blocks: Iterable[Alive], top: int = TOP_SITES) -> tuple[SiteMemory, ...]:
-    """The user's lines holding the most bytes among ``blocks``, largest first."""
+def sites(blocks: Iterable[Alive], top: int | None = None) -> tuple[SiteMemory, ...]:
+    """The user's lines holding bytes among ``blocks``, largest first (the ``top`` first;
+    ``None``: all, as a diff of two records needs them)."""
     found: dict[tuple[str | None, Part], list[int]] = {}
     for size, frames, _at in blocks:
         key = (site_name(user_frame(frames)), part_of(frames))
@@ -171,19 +176,48 @@ def pile_ups(played: Replay, trace: tuple[Event, ...], beat: Rhythm | None
     for block in played.at_end.values():
         if block[2] >= 0:
             kept.setdefault(block[1], []).append(block)
-    freed = freed_before(trace, {stack: _first_two(blocks) for stack, blocks in kept.items()})
+    spacing = played.entries / max(1, len(kept))
+    freed = freed_before(trace, {stack: _first_and_next(blocks, beat, spacing)
+                                 for stack, blocks in kept.items()})
     found: dict[str | None, PileUp] = {}
     for stack, blocks in kept.items():
         pile = piles_up(stack, blocks, freed.get(stack, 0), beat, played.entries)
         if pile is not None:
             found[pile.site] = _merged(found.get(pile.site), pile)
-    return tuple(sorted(found.values(), key=lambda pile: -pile.bytes))
+    older = _older_by_site(played)
+    return tuple(sorted((replace(pile, before=older.get(pile.site, 0))
+                         for pile in found.values()), key=lambda pile: -pile.bytes))
 
 
-def _first_two(blocks: list[Alive]) -> tuple[int, int]:
-    """The ``alloc`` indices of the first two of ``blocks`` (the first twice for one)."""
+def _older_by_site(played: Replay) -> dict[str | None, int]:
+    """Blocks alive at the end made before the trace began, by the user's line."""
+    found: dict[str | None, int] = {}
+    for _size, frames, at in played.at_end.values():
+        if at < 0:
+            site = site_name(user_frame(frames))
+            found[site] = found.get(site, 0) + 1
+    return found
+
+
+def _first_and_next(blocks: list[Alive], beat: Rhythm | None, spacing: float
+                    ) -> tuple[int, int]:
+    """The ``alloc`` indices of the first of ``blocks`` and of the first one kept from a later
+    iteration (without iterations: after a gap of more than half ``spacing`` entries, the
+    next burst). A block made before the first and freed after the second outlived an
+    iteration; the temporaries of the first iteration (saved for its backward, freed by it)
+    did not."""
     made = sorted(block[2] for block in blocks)
-    return made[0], made[1 if len(made) > 1 else 0]
+    first = made[0]
+    for index in made[1:]:
+        if _later_iteration(first, index, beat, spacing):
+            return first, index
+    return first, made[-1]
+
+
+def _later_iteration(first: int, index: int, beat: Rhythm | None, spacing: float) -> bool:
+    if beat is not None:
+        return beat.iteration_of(index) > beat.iteration_of(first)
+    return index - first > spacing / 2
 
 
 def piles_up(stack: tuple[Frame, ...], blocks: list[Alive], freed_before: int,

@@ -107,7 +107,8 @@ class AllocatorSnapshot:
     """What one snapshot file holds: the segments alive when it was taken, each device's
     trace (``traces[i]`` is device ``i``'s) and the allocator's settings; for a snapshot
     ``track(snapshot=...)`` recorded on the CPU, ``device_type`` is ``"cpu"`` and
-    ``iteration_ends`` the index of each iteration's last trace entry."""
+    ``iteration_ends`` the index of each iteration's last trace entry, ``dropped`` the older
+    entries its bound let go (``None``: not said, as in torch's own snapshots)."""
 
     path: str
     file_bytes: int
@@ -116,6 +117,7 @@ class AllocatorSnapshot:
     settings: tuple[tuple[str, str | int | float | bool | None], ...] = ()
     device_type: str = "cuda"
     iteration_ends: tuple[int, ...] | None = None
+    dropped: int | None = None
 
     def device_name(self, index: int) -> str:
         """``cuda:0``; ``cpu`` for the snapshots memsentry records on the CPU."""
@@ -173,8 +175,8 @@ def read_snapshot(path: str, *, limit: int = DEFAULT_LIMIT) -> AllocatorSnapshot
             KeyError, MemoryError, RecursionError) as error:
         raise SnapshotError(
             f"{path}: not a readable pickle ({type(error).__name__}: {str(error)[:120]}); a "
-            "file cut short (a job killed while writing it) reads so: write it again with "
-            "torch.cuda.memory._dump_snapshot()") from None
+            "file cut short (a job killed while writing it) reads so: write it again "
+            "(torch.cuda.memory._dump_snapshot(), or memsentry's --snapshot)") from None
     return snapshot_of(data, path=path, file_bytes=size)
 
 
@@ -213,13 +215,19 @@ def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
                              traces=traces, settings=_settings(top.get("allocator_settings"),
                                                                path),
                              device_type=_device_type(top.get("memsentry")),
-                             iteration_ends=_iteration_ends(top.get("memsentry"), path))
+                             iteration_ends=_iteration_ends(top.get("memsentry"), path),
+                             dropped=_dropped(top.get("memsentry")))
 
 
 def _device_type(marks: object) -> str:
     """The device a snapshot memsentry wrote names (``cpu``); ``cuda`` for torch's own."""
     device = marks.get("device") if isinstance(marks, dict) else None
     return device if device == "cpu" else "cuda"
+
+
+def _dropped(marks: object) -> int | None:
+    dropped = marks.get("dropped") if isinstance(marks, dict) else None
+    return dropped if type(dropped) is int and dropped >= 0 else None
 
 
 def _iteration_ends(marks: object, path: str) -> tuple[int, ...] | None:
