@@ -106,13 +106,18 @@ def diff_snapshots(args: argparse.Namespace) -> int:
 
 
 def _save_snapshot_diff(args: argparse.Namespace, text: str, data: str) -> str | None:
-    if args.output:
-        problem = _write(args.output, text, "-o")
-        if problem is not None:
-            return problem
-    else:
-        print(text)
+    problem = _print_or_write(args, text)
+    if problem is not None:
+        return problem
     return _write(args.json, data, "--json") if args.json else None
+
+
+def _print_or_write(args: argparse.Namespace, text: str) -> str | None:
+    """The text, to ``-o`` or standard output; what went wrong, if anything."""
+    if args.output:
+        return _write(args.output, text, "-o")
+    print(text)
+    return None
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -148,12 +153,9 @@ def _save(args: argparse.Namespace, change: ReportDiff, verdict: LimitCheck, tex
         str | None:
     """Write the text (to ``-o`` or standard output), the JSON and the page asked for; what
     went wrong, if anything."""
-    if args.output:
-        problem = _write(args.output, text, "-o")
-        if problem is not None:
-            return problem
-    else:
-        print(text)
+    problem = _print_or_write(args, text)
+    if problem is not None:
+        return problem
     if args.json:
         problem = _write(args.json, diff_to_json(change, check=verdict), "--json")
         if problem is not None:
