@@ -203,9 +203,12 @@ class Boundaries:
         # A peak counter reset where the iteration began gives its peak, hooks or none.
         exact = self._sampler.peaks_exact() and not passed
         resident = self._clock.resident()
+        peak = self._sampler.peak if exact else allocated
+        # What a light iteration read is memory the run held: the run's peak is at least it.
+        self.overall_peak = max(self.overall_peak, peak)
         self._timeline.add(IterationStats(
             index=self._clock.index, allocated=allocated, reserved=None,
-            peak=self._sampler.peak if exact else allocated, peak_exact=exact,
+            peak=peak, peak_exact=exact,
             seconds=each, boundary=boundary, forward_calls=self._clock.calls,
             data_seconds=self._clock.data_seconds(passed + 1), sampled=False,
             resident=resident, python_blocks=self._blocks_after_census()))

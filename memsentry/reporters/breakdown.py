@@ -100,12 +100,26 @@ def _rows(peak: Breakdown, heap: int) -> list[list[str]]:
 
 
 def _title(report: ReportData, peak: Breakdown) -> str:
-    """The table's title, with the iteration of the peak and where the loop was."""
+    """The table's title, with the iteration of the peak and where the loop was (the highest
+    peak read with its parts: :func:`_lower_note` says when the run's was higher)."""
     index = next((it.index for it in report.iterations if it.parts is peak), None)
     title = "Memory at the highest peak"
+    if _lower_note(report, peak) is not None:
+        title += " whose parts were read"
     if index is None:
         return title
     return title + f" (iteration {index}, {peak.where})"
+
+
+def _lower_note(report: ReportData, peak: Breakdown) -> str | None:
+    """That the run's peak came in an iteration whose parts were not read (a light one): the
+    table is of the highest peak read with its parts, which is lower; ``None`` otherwise."""
+    its = next((it for it in report.iterations if it.parts is peak), None)
+    if its is None or report.peak is None or its.peak >= report.peak:
+        return None
+    return (f"The run's peak, {format_bytes(report.peak)}, came in an iteration measured "
+            "without reading the parts (light, to keep within the budget); this table is of "
+            f"the highest peak read with them, {format_bytes(its.peak)}.")
 
 
 def _total_note(report: ReportData, peak: Breakdown, heap: int) -> str | None:
@@ -142,7 +156,7 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     heap = heap_at_start(report, peak)
     table = tabulate(_rows(peak, heap), tablefmt="plain", colalign=("left", "right", "right"),
                      disable_numparse=True)
-    notes = [_total_note(report, peak, heap), _excess_note(peak)]
+    notes = [_lower_note(report, peak), _total_note(report, peak, heap), _excess_note(peak)]
     lines = [_title(report, peak), table,
              "The layers' `of peak` column is each layer's saved bytes over this total.",
              *(note for note in notes if note is not None), *apart]

@@ -151,7 +151,10 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def is_pickle(path: str) -> bool:
     """Whether the file at ``path`` starts as a pickle of protocol 2 or later does (a report
-    saved as JSON starts with ``{``); ``False`` when it cannot be read."""
+    saved as JSON starts with ``{``); ``False`` when it cannot be read or is not a regular
+    file (a FIFO would wait for a writer: the report's reader refuses it)."""
+    if not os.path.isfile(path):
+        return False
     try:
         with open(path, "rb") as file:
             return file.read(1) == b"\x80"
