@@ -229,3 +229,21 @@ def test_carried_readings_in_exact_mode_count_what_the_counter_missed_once(
     # tracking, or nothing when the model was made inside it.
     assert outside == ({0} if made_inside else {parts[0].parameters})
     assert report.breakdown.peak.total <= report.peak + parts[0].parameters
+
+
+def test_a_table_of_a_lower_peak_than_the_runs_says_so() -> None:
+    from builders import MiB, iterations, parts, report
+
+    from memsentry.reporters.breakdown import render_breakdown
+
+    read = parts(40 * MiB, activations=30 * MiB, parameters=10 * MiB)
+    its = iterations([10 * MiB, 10 * MiB, 10 * MiB], peak=[40 * MiB, 48 * MiB, 40 * MiB],
+                     parts=[read, None, None], sampled=[True, False, False])
+    text = render_breakdown(report(iterations=its, peak=48 * MiB))
+    assert text is not None
+    assert text.startswith("Memory at the highest peak whose parts were read (iteration 0")
+    assert "The run's peak, 48 MiB, came in an iteration measured without reading the parts" \
+        in " ".join(text.split())
+    same = render_breakdown(report(iterations=its, peak=40 * MiB))
+    assert same is not None and same.startswith("Memory at the highest peak (iteration 0")
+    assert "The run's peak" not in same
