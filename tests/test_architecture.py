@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memsentry.measure",),
     ("memsentry.census",),
     ("memsentry.record",),
-    ("memsentry.rules",),
+    ("memsentry.rules", "memsentry.snapshots"),
     ("memsentry.reporters",),
     ("memsentry.report", "memsentry.alarm", "memsentry.tracker"),
     ("memsentry.cli", "memsentry.integrations", "memsentry.__main__", "memsentry"),
