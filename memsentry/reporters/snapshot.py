@@ -9,6 +9,7 @@ from typing import Any
 from memsentry.model import Finding
 from memsentry.model.codec import to_plain
 from memsentry.reporters.wrap import fill
+from memsentry.rules.series import plural
 from memsentry.snapshots.compare import SnapshotDiff
 from memsentry.snapshots.frames import Part
 from memsentry.snapshots.judge import TOP_SITES, DeviceVerdict, SiteMemory, SnapshotVerdict
@@ -60,7 +61,7 @@ def _device(device: DeviceVerdict, width: int) -> list[str]:
         f"  allocated: {format_bytes(device.before)} when the trace began, peak "
         f"{format_bytes(device.peak)}, {format_bytes(device.end)} at the end",
         f"  cached when the snapshot was taken: {format_bytes(cache.reserved)} reserved in "
-        f"{_count(cache.segments, 'segment')}, {format_bytes(cache.allocated)} of it in use, "
+        f"{plural(cache.segments, 'segment')}, {format_bytes(cache.allocated)} of it in use, "
         f"the largest free piece {format_bytes(cache.largest_free)}",
         "  at the peak, by phase: " + _phases(device),
     ]
@@ -96,10 +97,6 @@ def _phases(device: DeviceVerdict) -> str:
                      for part, size in device.parts_at_peak) + " (read from torch's frames)"
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number:,} {noun}{'' if number == 1 else 's'}"
-
-
 def _sites(title: str, sites: tuple[SiteMemory, ...], width: int, phases: bool = True
            ) -> list[str]:
     if not sites:
@@ -107,7 +104,7 @@ def _sites(title: str, sites: tuple[SiteMemory, ...], width: int, phases: bool =
     lines = [f"  {title}:"]
     for site in sites[:TOP_SITES]:
         where = site.site or "(no frame of your code)"
-        text = f"    {format_bytes(site.bytes):>9} in {_count(site.blocks, 'block')}  {where}"
+        text = f"    {format_bytes(site.bytes):>9} in {plural(site.blocks, 'block')}  {where}"
         if phases:
             text += f"  [{site.part.name.lower()}]"
         lines.append(fill(printable(text), width, subsequent_indent="        "))

@@ -126,7 +126,7 @@ def judge(snapshot: AllocatorSnapshot) -> SnapshotVerdict:
 
 def judge_device(snapshot: AllocatorSnapshot, device: int) -> DeviceVerdict:
     played = replay(snapshot, device)
-    trace = snapshot.traces[device] if device < len(snapshot.traces) else ()
+    trace = snapshot.trace(device)
     beat = rhythm(trace, snapshot.iteration_ends if device == 0 else None)
     return DeviceVerdict(
         device=device, name=snapshot.device_name(device),
@@ -155,16 +155,16 @@ def parts(blocks: Iterable[Alive]) -> tuple[tuple[Part, int], ...]:
     return tuple(sorted(found.items(), key=lambda item: -item[1]))
 
 
-def sites(blocks: Iterable[Alive], top: int | None = None) -> tuple[SiteMemory, ...]:
-    """The user's lines holding bytes among ``blocks``, largest first (the ``top`` first;
-    ``None``: all, as a diff of two records needs them)."""
+def sites(blocks: Iterable[Alive]) -> tuple[SiteMemory, ...]:
+    """The user's lines holding bytes among ``blocks``, largest first: all of them (the
+    reports show the first :data:`TOP_SITES`; a diff of two records needs every one)."""
     found: dict[tuple[str | None, Part], list[int]] = {}
     for size, frames, _at in blocks:
         key = (site_name(user_frame(frames)), part_of(frames))
         tally = found.setdefault(key, [0, 0])
         tally[0] += 1
         tally[1] += size
-    ranked = sorted(found.items(), key=lambda item: -item[1][1])[:top]
+    ranked = sorted(found.items(), key=lambda item: -item[1][1])
     return tuple(SiteMemory(site, part, count, size) for (site, part), (count, size) in ranked)
 
 

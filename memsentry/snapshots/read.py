@@ -119,6 +119,10 @@ class AllocatorSnapshot:
     iteration_ends: tuple[int, ...] | None = None
     dropped: int | None = None
 
+    def trace(self, device: int) -> tuple[Event, ...]:
+        """``device``'s trace (empty where the file has none for it)."""
+        return self.traces[device] if device < len(self.traces) else ()
+
     def device_name(self, index: int) -> str:
         """``cuda:0``; ``cpu`` for the snapshots memsentry records on the CPU."""
         return self.device_type if self.device_type == "cpu" else f"{self.device_type}:{index}"

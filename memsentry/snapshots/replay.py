@@ -45,7 +45,7 @@ def initial_blocks(snapshot: AllocatorSnapshot, device: int) -> dict[int, Alive]
     (``process_alloc_data`` in torch's MemoryViz.js): a free with no ``alloc`` before it in
     the trace, with the stack it carries, and each ``active_allocated`` block of the segments
     whose address the trace leaves unallocated, at its requested size."""
-    trace = snapshot.traces[device] if device < len(snapshot.traces) else ()
+    trace = snapshot.trace(device)
     made, found = _frees_before(trace)
     for segment in snapshot.segments:
         if segment.device != device:
@@ -76,7 +76,7 @@ def _frees_before(trace: tuple[Event, ...]) -> tuple[set[int], dict[int, Alive]]
 
 def replay(snapshot: AllocatorSnapshot, device: int) -> Replay:
     """``device``'s trace replayed from the blocks alive when it began."""
-    trace = snapshot.traces[device] if device < len(snapshot.traces) else ()
+    trace = snapshot.trace(device)
     start = initial_blocks(snapshot, device)
     before = sum(size for size, _frames, _at in start.values())
     peak_at, peak = _peak(trace, before)
