@@ -397,3 +397,14 @@ def test_diff_compares_every_line_not_only_the_largest(tmp_path: Path) -> None:
     assert plain.returncode == 0
     lines = [text for text in plain.stdout.splitlines() if "train.py:" in text]
     assert len(lines) == 1 and "train.py:300" in lines[0]  # the others held the same
+
+
+def test_a_leak_in_a_folder_whose_name_has_brackets_keeps_its_line() -> None:
+    gpu = FakeAllocator()
+    here = fake.user(42, filename="/home/me/run (copy)/train.py")
+    for _ in range(8):
+        gpu.alloc(KIB, [*fake.FORWARD, here, fake.MAIN])
+        gpu.free(gpu.alloc(4, fake.stack(fake.STEP, 45)))
+    [leak] = verdict_of(snapshot(gpu))[1]
+    assert str(leak.location) == "/home/me/run (copy)/train.py:42"
+    assert leak.location.function == "train"

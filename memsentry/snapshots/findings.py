@@ -67,10 +67,11 @@ def _subject(name: str) -> Subject:
 
 
 def _location(site: str | None) -> Location | None:
-    """``file:line (function)`` as a location."""
+    """``file:line (function)`` as a location (the function is after the last `` (``: a
+    folder's name may hold one)."""
     if site is None:
         return None
-    where, _, function = site.partition(" (")
+    where, _, function = site.rpartition(" (")
     file, _, line = where.rpartition(":")
     return Location(file, int(line), function.rstrip(")") or None) if line.isdigit() else None
 
