@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 from memsentry.usercode.text import printable
+
+T = TypeVar("T")
+
+
+def argument_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser whose ``ValueError`` names the value and the forms."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
-from typing import TypeVar
 
-from memsentry.cli.args import at_least, fail
+from memsentry.cli.args import argument_type, at_least, fail
 from memsentry.cli.files import read_report
 from memsentry.model import LimitCheck, Limits, ReportDiff
 from memsentry.model.diff import parse_growth_increase, parse_increase
@@ -29,20 +27,6 @@ from memsentry.snapshots.judge import judge
 from memsentry.units import format_bytes, parse_size
 from memsentry.usercode.text import printable
 
-T = TypeVar("T")
-
-
-def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """An argparse type from a parser whose ``ValueError`` names the value and the forms."""
-
-    def convert(text: str) -> T:
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return convert
-
 
 def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("old", metavar="OLD.json",
@@ -50,11 +34,11 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                              "allocator snapshot (torch.cuda.memory._dump_snapshot())")
     parser.add_argument("new", metavar="NEW.json",
                         help="the report of the run to judge, or its allocator snapshot")
-    parser.add_argument("--max-peak-increase", metavar="LIMIT", type=_argument(parse_increase),
+    parser.add_argument("--max-peak-increase", metavar="LIMIT", type=argument_type(parse_increase),
                         help="exit 1 when the peak rises by more than this: a share of the "
                              "old peak (5%%) or a size (64MiB)")
     parser.add_argument("--max-growth-increase", metavar="SIZE",
-                        type=_argument(parse_growth_increase),
+                        type=argument_type(parse_growth_increase),
                         help="exit 1 when memory growth per iteration rises by more than this "
                              "(1MiB, meaning 1 MiB/iter)")
     parser.add_argument("--fail-on-new-findings", action="store_true",
@@ -71,7 +55,7 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                         help="layers shown, largest change first (default 10)")
     parser.add_argument("--width", type=at_least(1), default=100,
                         help="terminal width the text is fitted to (default 100)")
-    parser.add_argument("--max-snapshot-size", type=_argument(parse_size),
+    parser.add_argument("--max-snapshot-size", type=argument_type(parse_size),
                         default=DEFAULT_LIMIT, metavar="SIZE",
                         help="the largest allocator snapshot read, when the two files are "
                              f"snapshots (default {format_bytes(DEFAULT_LIMIT)})")

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from memsentry.cli.args import add_table_options, fail
+from memsentry.cli.args import add_table_options, argument_type, fail
 from memsentry.cli.files import read_report, reason
 from memsentry.paths import replace_text, unwritable
 from memsentry.reporters import REPORTERS, HtmlReporter, TextReporter, make_reporter
@@ -33,19 +33,12 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="FILE",
                         help="write the report as one self-contained HTML page to FILE instead "
                              "(needs memsentry[html])")
-    parser.add_argument("--max-snapshot-size", type=_size, default=DEFAULT_LIMIT,
-                        metavar="SIZE",
+    parser.add_argument("--max-snapshot-size", type=argument_type(parse_size),
+                        default=DEFAULT_LIMIT, metavar="SIZE",
                         help="the largest snapshot file read, in bytes or as '4 GiB' "
                              f"(default {format_bytes(DEFAULT_LIMIT)}: a snapshot takes several "
                              "times its size in memory once read)")
     add_table_options(parser)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,12 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         reporter.render(report, sys.stdout)
         return 0
-    try:
-        replace_text(args.output, reporter.text(report) + "\n")
-    except OSError as error:
-        return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
-                            "writable path")
-    return 0
+    return _write_output(args.output, reporter.text(report) + "\n")
 
 
 def show_snapshot(args: argparse.Namespace) -> int:
@@ -96,10 +84,15 @@ def show_snapshot(args: argparse.Namespace) -> int:
     if not args.output:
         sys.stdout.write(text)
         return 0
+    return _write_output(args.output, text)
+
+
+def _write_output(path: str, text: str) -> int:
+    """``-o``: the text to ``path``; 2, after saying why, when it cannot be written."""
     try:
-        replace_text(args.output, text)
+        replace_text(path, text)
     except OSError as error:
-        return fail("show", f"-o: could not write {args.output!r} ({reason(error)}); give a "
+        return fail("show", f"-o: could not write {path!r} ({reason(error)}); give a "
                             "writable path")
     return 0
 
