@@ -7,6 +7,7 @@ from tabulate import tabulate
 from memsentry.model import (
     CATEGORIES,
     Breakdown,
+    IterationStats,
     LayerStats,
     Measured,
     PinnedMemory,
@@ -99,22 +100,21 @@ def _rows(peak: Breakdown, heap: int) -> list[list[str]]:
     return rows
 
 
-def _title(report: ReportData, peak: Breakdown) -> str:
-    """The table's title, with the iteration of the peak and where the loop was (the highest
-    peak read with its parts: :func:`_lower_note` says when the run's was higher)."""
-    index = next((it.index for it in report.iterations if it.parts is peak), None)
+def _title(its: IterationStats | None, peak: Breakdown, lower: bool) -> str:
+    """The table's title, with the iteration of the peak (``its``) and where the loop was;
+    ``lower``: the run's peak was higher than this one (:func:`_lower_note`)."""
     title = "Memory at the highest peak"
-    if _lower_note(report, peak) is not None:
+    if lower:
         title += " whose parts were read"
-    if index is None:
+    if its is None:
         return title
-    return title + f" (iteration {index}, {peak.where})"
+    return title + f" (iteration {its.index}, {peak.where})"
 
 
-def _lower_note(report: ReportData, peak: Breakdown) -> str | None:
+def _lower_note(report: ReportData, its: IterationStats | None) -> str | None:
     """That the run's peak came in an iteration whose parts were not read (a light one): the
-    table is of the highest peak read with its parts, which is lower; ``None`` otherwise."""
-    its = next((it for it in report.iterations if it.parts is peak), None)
+    table is of the highest peak read with its parts (in ``its``), which is lower; ``None``
+    otherwise."""
     if its is None or report.peak is None or its.peak >= report.peak:
         return None
     return (f"The run's peak, {format_bytes(report.peak)}, came in an iteration measured "
@@ -156,8 +156,10 @@ def render_breakdown(report: ReportData, *, width: int = 100) -> str | None:
     heap = heap_at_start(report, peak)
     table = tabulate(_rows(peak, heap), tablefmt="plain", colalign=("left", "right", "right"),
                      disable_numparse=True)
-    notes = [_lower_note(report, peak), _total_note(report, peak, heap), _excess_note(peak)]
-    lines = [_title(report, peak), table,
+    its = next((it for it in report.iterations if it.parts is peak), None)
+    lower = _lower_note(report, its)
+    notes = [lower, _total_note(report, peak, heap), _excess_note(peak)]
+    lines = [_title(its, peak, lower is not None), table,
              "The layers' `of peak` column is each layer's saved bytes over this total.",
              *(note for note in notes if note is not None), *apart]
     return "\n".join(fill(line, width) if "\n" not in line else line
