@@ -408,3 +408,11 @@ def test_a_leak_in_a_folder_whose_name_has_brackets_keeps_its_line() -> None:
     [leak] = verdict_of(snapshot(gpu))[1]
     assert str(leak.location) == "/home/me/run (copy)/train.py:42"
     assert leak.location.function == "train"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+def test_a_fifo_is_refused_as_a_snapshot_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.pickle"
+    os.mkfifo(fifo)
+    with pytest.raises(SnapshotError, match=r"is a FIFO \(named pipe\), not a snapshot"):
+        read_snapshot(str(fifo))

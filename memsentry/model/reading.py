@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import sys
-from typing import Any
+from typing import Any, BinaryIO
 
 from memsentry.errors import ReportError
 from memsentry.units import format_bytes, parse_size
@@ -56,6 +56,15 @@ def max_bytes() -> int:
                           f"{format_bytes(MAX_BYTES)}") from None
 
 
+class NotRegularFile(ValueError):
+    """A path names something other than a regular file; ``kind`` says what (``a FIFO
+    (named pipe)``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
 def _not_a_file(mode: int) -> str | None:
     for test, kind in _KINDS:
         if test(mode):
@@ -63,10 +72,27 @@ def _not_a_file(mode: int) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
-def _refuse_kind(mode: int, name: str) -> None:
+def _refuse(mode: int) -> None:
     kind = _not_a_file(mode)
     if kind is not None:
-        raise ReportError(f"is {kind}, not a report: {WRITTEN_BY}", path=name)
+        raise NotRegularFile(kind)
+
+
+def open_regular(name: str) -> tuple[BinaryIO, int]:
+    """The regular file at ``name``, open for reading, and its size. What is not a regular
+    file raises :class:`NotRegularFile` before ``open()`` could block on it (a FIFO), and
+    again if what was opened is not (it was replaced); a missing file raises ``OSError`` as
+    ``open()`` does."""
+    _refuse(os.stat(name).st_mode)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    handle = os.fdopen(os.open(name, flags), "rb")
+    try:
+        info = os.fstat(handle.fileno())
+        _refuse(info.st_mode)
+    except BaseException:
+        handle.close()
+        raise
+    return handle, info.st_size
 
 
 def _too_large(size: str, limit: int, name: str) -> ReportError:
@@ -99,13 +125,13 @@ def read_bytes(path: str | os.PathLike[str]) -> bytes:
     limit = max_bytes()
     if "\0" in name:
         raise ReportError("not a file name: it holds a NUL character", path=repr(name))
-    _refuse_kind(os.stat(name).st_mode, name)  # a FIFO is refused before open() can block
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    with os.fdopen(os.open(name, flags), "rb") as handle:
-        info = os.fstat(handle.fileno())  # what was opened, should it have been replaced
-        _refuse_kind(info.st_mode, name)
-        if info.st_size > limit:
-            raise _too_large(format_bytes(info.st_size), limit, name)
+    try:
+        handle, size = open_regular(name)
+    except NotRegularFile as error:
+        raise ReportError(f"is {error.kind}, not a report: {WRITTEN_BY}", path=name) from None
+    with handle:
+        if size > limit:
+            raise _too_large(format_bytes(size), limit, name)
         data = handle.read(limit + 1)  # a file that says it is smaller than it is
     if len(data) > limit:
         raise _too_large(f"over {format_bytes(limit)}", limit, name)

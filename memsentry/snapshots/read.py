@@ -21,9 +21,10 @@ import os
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, BinaryIO, NamedTuple, cast
 
 from memsentry.errors import MemsentryError
+from memsentry.model.reading import NotRegularFile, open_regular
 from memsentry.units import format_bytes
 
 #: The largest file read unless the caller allows more (``--max-snapshot-size``): a file
@@ -168,12 +169,28 @@ def is_pickle(path: str) -> bool:
 
 def read_snapshot(path: str, *, limit: int = DEFAULT_LIMIT) -> AllocatorSnapshot:
     """The snapshot in the file at ``path``. Raises :class:`SnapshotError` when the file is
-    missing, larger than ``limit`` bytes, not a pickle, asks for anything but plain types, or
-    does not hold a snapshot's fields."""
-    size = _size(path, limit)
+    missing, not a regular file (a FIFO is refused before it is opened: it could block),
+    larger than ``limit`` bytes, not a pickle, asks for anything but plain types, or does
+    not hold a snapshot's fields."""
     try:
-        with open(path, "rb") as file:
-            data = _PlainUnpickler(file).load()
+        handle, size = open_regular(path)
+    except FileNotFoundError:
+        raise SnapshotError(f"no such file: {path!r}") from None
+    except NotRegularFile as error:
+        raise SnapshotError(f"{path}: is {error.kind}, not a snapshot; give the file "
+                            "torch.cuda.memory._dump_snapshot() wrote") from None
+    except OSError as error:
+        raise SnapshotError(f"{path}: cannot read it ({error.strerror or error})") from None
+    with handle:
+        _refuse_larger(path, size, limit)
+        data = _load(handle, path)
+    return snapshot_of(data, path=path, file_bytes=size)
+
+
+def _load(handle: BinaryIO, path: str) -> object:
+    """What the pickle in ``handle`` holds, read by :class:`_PlainUnpickler`."""
+    try:
+        return _PlainUnpickler(handle).load()
     except SnapshotError as error:
         raise SnapshotError(f"{path}: refused: {error}") from None
     except OSError as error:
@@ -184,24 +201,14 @@ def read_snapshot(path: str, *, limit: int = DEFAULT_LIMIT) -> AllocatorSnapshot
             f"{path}: not a readable pickle ({type(error).__name__}: {str(error)[:120]}); a "
             "file cut short (a job killed while writing it) reads so: write it again "
             "(torch.cuda.memory._dump_snapshot(), or memsentry's --snapshot)") from None
-    return snapshot_of(data, path=path, file_bytes=size)
 
 
-def _size(path: str, limit: int) -> int:
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise SnapshotError(f"no such file: {path!r}") from None
-    except OSError as error:
-        raise SnapshotError(f"{path}: cannot read it ({error.strerror or error})") from None
-    if not os.path.isfile(path):
-        raise SnapshotError(f"{path}: not a regular file; give the snapshot's path")
+def _refuse_larger(path: str, size: int, limit: int) -> None:
     if size > limit:
         raise SnapshotError(
             f"{path}: {format_bytes(size)}, past the {format_bytes(limit)} memsentry reads "
             f"(a snapshot takes several times its size in memory once read); raise the limit "
             f"with --max-snapshot-size {size} if this machine has the memory")
-    return size
 
 
 def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
