@@ -87,22 +87,21 @@ def show_snapshot(args: argparse.Namespace) -> int:
     return _write_output(args.output, text)
 
 
-def _write_output(path: str, text: str) -> int:
-    """``-o``: the text to ``path``; 2, after saying why, when it cannot be written."""
+def _write_output(path: str, text: str, option: str = "-o") -> int:
+    """The text to ``path`` (``option`` names the flag that asked); 2, after saying why, when
+    it cannot be written."""
     try:
         replace_text(path, text)
     except OSError as error:
-        return fail("show", f"-o: could not write {path!r} ({reason(error)}); give a "
+        return fail("show", f"{option}: could not write {path!r} ({reason(error)}); give a "
                             "writable path")
     return 0
 
 
 def _write_snapshot_page(path: str, page: str) -> int:
-    try:
-        replace_text(path, page)
-    except OSError as error:
-        return fail("show", f"--html: could not write {path!r} ({reason(error)}); give a "
-                            "writable path")
+    written = _write_output(path, page, "--html")
+    if written:
+        return written
     size = os.path.getsize(path) / 2**10
     print(f"memsentry: the verdict's page written to {printable(path)} ({size:,.0f} KiB; it "
           "opens offline in any browser)", file=sys.stderr)
