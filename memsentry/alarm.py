@@ -77,6 +77,10 @@ def finding_key(finding: Finding) -> tuple[str, str]:
     return finding.rule, "" if subject is None else repr(subject)
 
 
+def _subject(finding: Finding) -> str:
+    return "the loop" if finding.subject is None else f"`{finding.subject.name}`"
+
+
 def warn_at_user_line(text: str, category: type[Warning] = LeakWarning) -> None:
     """A warning (by default a :class:`~memsentry.LeakWarning`) located at the innermost line
     of the user's code."""
@@ -114,6 +118,7 @@ class LiveAlarm:
         self._written = time.monotonic()
         self._raised: BaseException | None = None  # the error left for a boundary
         self.warned: set[tuple[str, str]] = set()  # leaks the mid-run warning said
+        self._said_at: dict[tuple[str, str], tuple[int, Finding]] = {}  # census, finding
         self._since: dict[tuple[str, str], int] = {}  # leak -> the census it was first seen at
         self._in_file: set[tuple[str, str]] = set()  # the findings the report file has
 
@@ -138,6 +143,8 @@ class LiveAlarm:
         if not new:
             return None
         self.said.update(finding_key(f) for f in new)
+        now = report.censuses[-1].iteration if report.censuses else 0
+        self._said_at.update((finding_key(f), (now, f)) for f in new)
         found = leak_text(report, new)
         assert found is not None
         try:
@@ -145,6 +152,19 @@ class LiveAlarm:
         except BaseException as error:  # the callback's (or an error filter's): the loop's
             self._raised = error
         return self._raised
+
+    def taken_back(self, report: ReportData) -> list[str]:
+        """Notes for the leaks said while the run went on that the report at the end, judged
+        on every census, no longer finds: a container that filled to a size and then stayed
+        grows like a leak until it is full."""
+        keys = {finding_key(f) for f in report.findings}
+        last = report.censuses[-1].iteration if report.censuses else 0
+        return [
+            f"The leak said at iteration {at} ({finding.rule}: "
+            f"{_subject(finding)}) did not hold to the end: judged on every holder search, the "
+            f"last at iteration {last}, it is no leak, and this report has no finding for it."
+            for key, (at, finding) in self._said_at.items() if key not in keys
+        ]
 
     def _keep_file(self, report: Report) -> None:
         """Rewrite the report file when it lacks a finding of ``report``, or is due."""

@@ -31,7 +31,7 @@ from memsentry.record.ranks import RankInfo, begin_block, gather_limit, rank_inf
 from memsentry.record.snapshot import SnapshotRecording, with_snapshot_options, write_snapshot
 from memsentry.report import Report
 from memsentry.reporters.oom import oom_note
-from memsentry.rules import analyse, remarks
+from memsentry.rules import analysed, remarks
 from memsentry.rules.oom import explain_oom
 from memsentry.rules.ranks import combine
 from memsentry.settings import BY_NAME, OVERHEAD, SNAPSHOT_ENTRIES, WATCH_OVERHEAD, docstring
@@ -346,8 +346,10 @@ class Tracker:
         if self._rank is None and self._state is _State.ACTIVE:
             self._rank = rank_info()
         where = self._rank
-        findings = analyse(report)
-        notes = (*self._snapshot.notes, *self._live.errors, *remarks(report, findings))
+        findings, stopped = analysed(report)
+        taken_back = self._live.taken_back(replace(report, findings=findings))
+        notes = (*self._snapshot.notes, *self._live.errors, *remarks(report, findings),
+                 *stopped, *taken_back)
         if notes:
             report = replace(report, notes=(*report.notes, *notes))
         report = replace(report, findings=findings, oom=explain_oom(report),

@@ -91,6 +91,12 @@ class HolderStats:
         """The name the path starts from: ``logger`` for ``logger.history['loss']``."""
         return self.path[0].name if self.path else ""
 
+    @property
+    def held(self) -> int:
+        """What it keeps, counted: tensors, whole models, NumPy arrays, autograd nodes and
+        byte buffers."""
+        return self.tensors + self.modules + self.arrays + self.nodes + self.buffers
+
 
 #: The ``module`` of the :class:`HookStats` that counts the callbacks registered with
 #: :mod:`atexit` (no module of a model can be named so).
@@ -145,7 +151,10 @@ class Census:
     those of ``carried`` and its ``garbage`` is ``None`` (no collection ran). ``graph_newest``
     is the highest autograd sequence number among the graphs its holders keep (``None``: no
     graph, or not read): a graph at a later census whose oldest node is at or below it was
-    already alive at this one."""
+    already alive at this one. ``closing``: taken as tracking ended, after the last iteration
+    (a holder still growing at the census before would otherwise be judged on censuses that
+    stopped well before the end); the functions that ran the loop may have returned, so a
+    holder it does not see is unknown there, not emptied."""
 
     iteration: int
     seconds: float
@@ -157,6 +166,7 @@ class Census:
     graphs_complete: bool = True
     carried: int | None = None
     graph_newest: int | None = None
+    closing: bool = False
 
 
 @dataclass(frozen=True)

@@ -429,6 +429,18 @@ def stands(then: Standing | None, now: Standing, *, heap_backend: bool,
     return abs(now.heap - then.heap) <= slack
 
 
+def closing_census(last: int | None, end: int, *, rising: bool,
+                   tuning: Tuning = DEFAULT) -> bool:
+    """Whether a census is wanted as tracking ends, judged as of ``end`` (the last iteration
+    closed): when a holder still grew at the ``last`` census taken and ``carry_gap``
+    iterations or more ran since. Censuses at doubling gaps can stop half a run before its
+    end (the last of 60 iterations at 34); a container that fills to a size and then stays
+    grows like a leak until it is full, and judged on those censuses alone it was called one.
+    Where nothing grew at the last census no verdict of growth rests on it, and none is
+    wanted. It is taken as any census is, when :func:`affordable`."""
+    return last is not None and rising and end - last >= tuning.carry_gap
+
+
 def census_in(index: int, iterations: int, tuning: Tuning = DEFAULT) -> bool:
     """Whether the schedule has a census in the ``iterations`` that end at ``index``."""
     return next_census(index - iterations, tuning) <= index

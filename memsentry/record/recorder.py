@@ -238,12 +238,23 @@ class Recorder:
             return
         try:
             if self._sampler.backend is not None:
+                before = self._clock.index
                 self._boundaries.end()
-            # A census still pending would see the loop after it ended (its functions
-            # returned, their locals gone): it is not taken.
+                self._closing_census(partial=self._clock.index > before)
             self._censuses.pending = None
         finally:
             self._teardown()
+
+    def _closing_census(self, *, partial: bool) -> None:
+        """As tracking ends: a census when a holder still grew at the last one and the run
+        went on since (:meth:`CensusSchedule.take_closing`). Where the loop's functions have
+        returned their locals are gone: the rules take what it does not see as unknown. It
+        is filed under the last iteration a boundary closed, not the ``partial`` one the end
+        closed: a census filed under iteration i sees what i + 1 iterations left, and this
+        one sees every iteration's."""
+        if self.options.holders:
+            last = self._clock.index - (2 if partial else 1)
+            self._censuses.take_closing(max(last, 0), **self._census_roots())
 
     def _set_active(self, active: bool) -> None:
         for part in (self, self._forward, self._forward.saved, self._censuses, self._backward):

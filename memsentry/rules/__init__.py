@@ -19,6 +19,7 @@ from memsentry.rules import growth, nograd, exceptions  # noqa: F401
 from memsentry.rules import device, timing, loopvars, headroom, workers  # noqa: F401
 # isort: on
 from memsentry.model import Finding, ReportData, Severity
+from memsentry.rules.closing import settle
 from memsentry.rules.growth import growth_note
 from memsentry.rules.registry import RULES, Rule
 
@@ -34,8 +35,16 @@ def _is_cause(finding: Finding) -> bool:
 
 def analyse(report: ReportData, rules: Sequence[str] | None = None) -> tuple[Finding, ...]:
     """Run the rules named in ``rules`` (all by default) on ``report``; most severe first."""
+    return analysed(report, rules)[0]
+
+
+def analysed(report: ReportData, rules: Sequence[str] | None = None
+             ) -> tuple[tuple[Finding, ...], tuple[str, ...]]:
+    """:func:`analyse`'s findings, and the notes of the leaks the census taken as tracking
+    ended shows stopped (:func:`memsentry.rules.closing.settle`: they are not findings)."""
     findings = [f for rule_id in _chosen(rules) for f in RULES[rule_id](report)]
-    return tuple(sorted(_without_fallbacks(findings), key=_order))
+    findings, stopped = settle(report, findings)
+    return tuple(sorted(_without_fallbacks(findings), key=_order)), tuple(stopped)
 
 
 def _chosen(rules: Sequence[str] | None) -> Sequence[str]:
@@ -70,4 +79,4 @@ def remarks(report: ReportData, findings: Sequence[Finding]) -> tuple[str, ...]:
     return tuple(filter(None, [growth_note(report)]))
 
 
-__all__ = ["CAUSES", "RULES", "Rule", "analyse", "remarks"]
+__all__ = ["CAUSES", "RULES", "Rule", "analyse", "analysed", "remarks"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memsentry.model import (
+    Boundary,
     Finding,
     HolderStats,
     IterationStats,
@@ -13,6 +14,7 @@ from memsentry.model import (
     SubjectKind,
     spell,
 )
+from memsentry.rules.closing import exit_stayed
 from memsentry.rules.registry import rule
 from memsentry.rules.resident import (
     PILE_UP_FIX,
@@ -103,12 +105,32 @@ def _judged(report: ReportData) -> tuple[list[Finding], str | None]:
     if len(complete) < MIN_ITERATIONS:
         return [], None
     growth = steady_growth(complete)
+    if growth is not None and _stayed_to_the_end(report, complete):
+        return [], _stayed_note(complete, report.iterations[-1])
     if growth is not None:
         note = other_threads_grew(report, complete, "allocated", growth[0])
         return ([], note) if note else (_allocated_growth(report, complete, growth), None)
     climb = resident_climb(complete)
     note = other_threads_grew(report, climb[0], "resident", climb[1]) if climb else None
     return ([], note) if note else (resident_growth(report, complete), None)
+
+
+def _stayed_to_the_end(report: ReportData, complete: list[IterationStats]) -> bool:
+    """Whether the growth stopped before tracking ended: the partial iteration closed at
+    the end, many iterations after the last one recorded, found allocated memory where that
+    one left it (:func:`~memsentry.rules.closing.exit_stayed`)."""
+    end = report.iterations[-1]
+    return end.boundary == Boundary.EXIT and exit_stayed(complete[0], complete[-1], end)
+
+
+def _stayed_note(complete: list[IterationStats], end: IterationStats) -> str:
+    first, last = complete[0], complete[-1]
+    return (
+        f"Allocated memory grew by {format_bytes(last.allocated - first.allocated)} from "
+        f"iteration {first.index} to {last.index}, the last one recorded, and stood at "
+        f"{format_bytes(end.allocated)} as tracking ended (iteration {end.index}): it filled "
+        "to a size and stayed, which is no leak, so no finding is made of it."
+    )
 
 
 @rule(RULE_ID, severities={Severity.LEAK, Severity.HINT}, fallback=True)

@@ -188,7 +188,7 @@ TRACEBACK = Step(StepKind.ATTRIBUTE, "__traceback__")
 def held_count(holder: HolderStats) -> float:
     """What a holder keeps, counted: tensors, whole models, NumPy arrays, autograd nodes,
     byte buffers."""
-    return holder.tensors + holder.modules + holder.arrays + holder.nodes + holder.buffers
+    return holder.held
 
 
 def base_name(holder: HolderStats) -> str:
@@ -198,8 +198,12 @@ def base_name(holder: HolderStats) -> str:
 
 def complete_censuses(report: ReportData, *, graphs: bool = False) -> list[Census]:
     """The censuses that finished within their budget (an interrupted one undercounts); with
-    ``graphs``, also those whose autograd graphs were walked whole."""
-    return [c for c in report.censuses if c.complete and (c.graphs_complete or not graphs)]
+    ``graphs``, also those whose autograd graphs were walked whole. Not the one taken as
+    tracking ended: the rules judge growth on the censuses of the schedule, whose spacing
+    their figures assume, and that one only says whether growth went on to the end
+    (:mod:`memsentry.rules.closing`)."""
+    return [c for c in report.censuses
+            if c.complete and (c.graphs_complete or not graphs) and not c.closing]
 
 
 def series(censuses: Sequence[Census], items: Callable[[Census], Sequence[T]],
