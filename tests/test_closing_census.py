@@ -24,7 +24,7 @@ from memsentry.record.policy import DEFAULT, closing_census
 from memsentry.record.schedule import still_rising
 from memsentry.rules import analysed
 from memsentry.rules.closing import Held, exit_stayed, settle, stayed
-from memsentry.rules.series import complete_censuses
+from memsentry.rules.series import Trend, complete_censuses
 
 AT = [2, 3, 4, 6, 10, 18, 34]
 MODES = ["track", "watch"]
@@ -91,6 +91,14 @@ def test_a_tensor_that_grows_is_judged_by_its_bytes() -> None:
     bank = [_held(2, 1, 4 * KiB), _held(18, 1, 68 * KiB), _held(34, 1, 132 * KiB)]
     assert stayed(bank, _held(60, 1, 132 * KiB))
     assert not stayed(bank, _held(60, 1, 200 * KiB))
+
+
+def test_a_climb_goes_on_only_when_its_latest_step_keeps_a_quarter_of_its_pace() -> None:
+    at = (2, 3, 4, 6, 10, 18, 34, 66)
+    guarded = Trend(at, (4, 5, 6, 8, 12, 20, 36, 40))  # a list kept below 40 entries
+    assert not guarded.climbs()  # 4 over the last 32 iterations, where its pace promised 32
+    assert Trend(at, (4, 5, 6, 8, 12, 20, 36, 44)).climbs()  # 8: a quarter, it goes on
+    assert Trend(at, (4, 5, 6, 8, 12, 20, 36, 68)).climbs()
 
 
 # -- the verdicts on reports built by hand ------------------------------------------------------
@@ -196,6 +204,25 @@ def test_a_cache_that_never_stops_growing_is_still_a_leak(mode: str) -> None:
     assert "gains 1 tensor/iter" in leaks[0].message
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_list_filled_to_a_size_between_two_censuses_is_no_leak(mode: str) -> None:
+    """Kept below 40 entries: the 40th comes at step 39, the censuses at 34 and 66."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pool: list[torch.Tensor] = []
+    wrap = tracked if mode == "track" else watched
+    with wrap(model, clock=FakeClock(), on_leak="ignore") as t:
+        for step in range(70):
+            if len(pool) < 40:
+                pool.append(torch.randn(16, 32))
+            loss = model(pool[step % len(pool)]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not _leaks(t.report().findings), [f.message for f in t.report().findings]
+
+
 def test_a_closing_census_the_budget_cannot_pay_for_is_not_taken_and_a_note_says_so() -> None:
     found = _cache_loop("track", 60, 30, clock=FakeClock(tick=1e-3), overhead=1e-6, credit=0.0)
     assert not found.censuses[-1].closing
@@ -211,8 +238,10 @@ def test_a_leak_said_while_the_run_lived_and_taken_back_at_the_end_is_noted() ->
     buffers: dict[int, torch.Tensor] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with memsentry.track(model) as t:
+        clock = FakeClock()  # the budget pays for the closing census whatever the load
+        with tracked(model, clock=clock) as t:
             for step in range(60):
+                clock.advance(1e-3)
                 n = 8 + step % 30
                 if n not in buffers:
                     buffers[n] = torch.zeros(n, 32)

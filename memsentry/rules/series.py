@@ -26,6 +26,9 @@ from memsentry.model.timeline import slope
 #: Iterations left out at the start: gradient buffers, optimizer state (Adam keeps two
 #: tensors per parameter) and allocator pools appear in the first steps.
 WARMUP = 2
+#: The share of the pace a growth kept until its latest census that the latest step must
+#: keep for the growth to go on (a leak grows through the run, not only its first steps).
+KEEP_PACE = 0.25
 #: Censuses needed before a holder's trend is judged (two steps: three points).
 MIN_CENSUSES = 3
 #: Steps of the series that must rise.
@@ -91,9 +94,23 @@ class Trend:
         first, last = runs[-1]
         latest = self.values[first:last + 1]
         if (len(latest) >= MIN_CENSUSES and self._rises_in(first, last) >= MIN_RISES
-                and latest[-1] - latest[0] >= at_least and latest[-1] > latest[-2]):
+                and latest[-1] - latest[0] >= at_least and self._keeps_pace(first, last)):
             return True
         return teeth and bool(self.teeth(at_least=at_least, runs=runs))
+
+    def _keeps_pace(self, first: int, last: int) -> bool:
+        """Whether the window's latest step still rose, by at least :data:`KEEP_PACE` of what
+        the window's pace before it promised over its iterations: a container that fills to
+        a size between two censuses (a list kept below 40 entries, the 40th added well
+        before the last census) rose at that step by a fraction of its pace."""
+        before = self.iterations[last - 1] - self.iterations[first]
+        gained = self.values[last] - self.values[last - 1]
+        if gained <= 0:
+            return False
+        if before <= 0:
+            return True
+        pace = (self.values[last - 1] - self.values[first]) / before
+        return gained >= KEEP_PACE * pace * (self.iterations[last] - self.iterations[last - 1])
 
     def teeth(self, *, at_least: float = 2, runs: list[tuple[int, int]] | None = None
               ) -> list[tuple[int, int]]:
