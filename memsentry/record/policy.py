@@ -437,7 +437,8 @@ def closing_census(last: int | None, end: int, *, rising: bool,
     end (the last of 60 iterations at 34); a container that fills to a size and then stays
     grows like a leak until it is full, and judged on those censuses alone it was called one.
     Where nothing grew at the last census no verdict of growth rests on it, and none is
-    wanted. It is taken as any census is, when :func:`affordable`."""
+    wanted. Like the first ``always_taken`` it is taken whatever the account holds: a
+    verdict rests on it, and the account those drained would make it hang on the load."""
     return last is not None and rising and end - last >= tuning.carry_gap
 
 

@@ -20,14 +20,7 @@ from memsentry.measure import heap_in_use
 from memsentry.model import Census, Measured
 from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
-from memsentry.record.policy import (
-    CensusState,
-    Standing,
-    affordable,
-    census_step,
-    closing_census,
-    stands,
-)
+from memsentry.record.policy import CensusState, Standing, census_step, closing_census, stands
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
 
@@ -62,7 +55,6 @@ class CensusSchedule:
         self._records = 0  # the backend's memory the censuses' records take
         self._probe = False  # the pending census waits for the account: only carried, if at all
         self._heap_records = 0  # the same in the C heap
-        self.closing_unpaid: tuple[int | None, int] | None = None  # (last, end): not taken
 
     def gc_event(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
@@ -238,9 +230,11 @@ class CensusSchedule:
         """As tracking ends, judged as of ``iteration`` (the last one closed): a census when a
         holder still grew at the last one taken and the run went on long enough since
         (:func:`~memsentry.record.policy.closing_census`), so that a container that filled
-        and then stayed is seen staying, when the budget can pay for it (else a note says
-        so). It is never carried (memory standing still would say as much, but this one is
-        rare and decides a verdict). A census that
+        and then stayed is seen staying. Like the first seven it is taken whatever the
+        budget holds (and charged to it): a verdict rests on it, and a budget drained by the
+        first seven would make that verdict hang on the machine's load. It is never carried
+        (memory standing still would say as much, but this one is rare and decides a
+        verdict). A census that
         was pending is dropped either way: as the next iteration began, it would have seen
         what this one sees. Returns the seconds it took."""
         self.pending = None
@@ -248,10 +242,6 @@ class CensusSchedule:
         tuning = self.ledger.tuning
         if not closing_census(last, iteration, rising=still_rising(self.censuses),
                               tuning=tuning):
-            return 0.0
-        state = CensusState(taken=len(self.censuses), last_cost=self.last_cost)
-        if not affordable(state, self.ledger.account(), tuning):
-            self.closing_unpaid = (last, iteration)
             return 0.0
         started = self.clock()
         if self.take(iteration, model=model, own_hooks=own_hooks, skip=skip, named=named):
@@ -276,18 +266,7 @@ class CensusSchedule:
             f"{self.budget:g} s budget after {c.objects:,} objects; holders beyond "
             "them were not examined (raise track(holder_budget=...))."
             for c in self.censuses if not c.complete
-        ] + self._graph_notes() + self._closing_notes()
-
-    def _closing_notes(self) -> list[str]:
-        if self.closing_unpaid is None:
-            return []
-        last, end = self.closing_unpaid
-        return [
-            f"A holder still grew at the holder search of iteration {last}, and the one due "
-            f"as tracking ended (iteration {end}) was not taken: the budget could not pay for "
-            "it, so a leak found is judged on the searches before, and a container that "
-            "filled to a size since would read as one (track(overhead=None) takes it)."
-        ]
+        ] + self._graph_notes()
 
     def _carried_notes(self) -> list[str]:
         carried = [c for c in self.censuses if c.carried is not None]
@@ -321,13 +300,17 @@ class CensusSchedule:
 
 def still_rising(censuses: Sequence[Census]) -> bool:
     """Whether a holder kept more at the last complete census than at the one before (by
-    count or by bytes): what a verdict of growth would rest on."""
+    count or by bytes), or a new one appeared beside those that census saw (a dict's new
+    string key is a holder of its own): what a verdict of growth would rest on."""
     complete = [c for c in censuses if c.complete]
     if len(complete) < 2:
         return False
     before = {h.path: h for h in complete[-2].holders}
+    siblings = {path[:-1] for path in before if len(path) > 1}
     for holder in complete[-1].holders:
         was = before.get(holder.path)
+        if was is None and len(holder.path) > 1 and holder.path[:-1] in siblings:
+            return True
         if was is not None and (holder.held > was.held or holder.bytes > was.bytes):
             return True
     return False
