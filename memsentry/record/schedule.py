@@ -17,7 +17,7 @@ from memsentry.census import garbage_census, take_census
 from memsentry.census.hooks import hook_counts
 from memsentry.census.take import GRAPH_SHARE, Named
 from memsentry.measure import heap_in_use
-from memsentry.model import Census, Measured
+from memsentry.model import Census, HolderStats, Measured, Step
 from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
 from memsentry.record.policy import CensusState, Standing, census_step, closing_census, stands
@@ -307,10 +307,14 @@ def still_rising(censuses: Sequence[Census]) -> bool:
         return False
     before = {h.path: h for h in complete[-2].holders}
     siblings = {path[:-1] for path in before if len(path) > 1}
-    for holder in complete[-1].holders:
-        was = before.get(holder.path)
-        if was is None and len(holder.path) > 1 and holder.path[:-1] in siblings:
-            return True
-        if was is not None and (holder.held > was.held or holder.bytes > was.bytes):
-            return True
-    return False
+    return any(_grew(holder, before.get(holder.path), siblings)
+               for holder in complete[-1].holders)
+
+
+def _grew(holder: HolderStats, was: HolderStats | None,
+          siblings: set[tuple[Step, ...]]) -> bool:
+    """Whether ``holder`` keeps more than it did (``was``), or is new in a container the
+    census before saw (its path's parent among ``siblings``)."""
+    if was is None:
+        return len(holder.path) > 1 and holder.path[:-1] in siblings
+    return holder.held > was.held or holder.bytes > was.bytes
