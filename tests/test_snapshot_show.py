@@ -416,3 +416,18 @@ def test_a_fifo_is_refused_as_a_snapshot_without_waiting_for_a_writer(tmp_path: 
     os.mkfifo(fifo)
     with pytest.raises(SnapshotError, match=r"is a FIFO \(named pipe\), not a snapshot"):
         read_snapshot(str(fifo))
+
+
+def test_bursts_are_told_apart_one_way_where_no_iteration_is_marked() -> None:
+    """Without iterations, one stack's blocks closer than half their even spacing are one
+    burst, for the pile-up's regular gap and for the blocks freed before the next burst
+    alike: two blocks every 100 entries of 1,000 are ten bursts, 100 entries apart, and the
+    block kept from the second burst is the one at 100 (not the first after half the trace,
+    the spacing once taken from the number of stacks)."""
+    from memsentry.snapshots.judge import _first_and_next, _regular_gap, burst_near
+
+    made = [index for start in range(0, 1000, 100) for index in (start, start + 1)]
+    assert burst_near(len(made), 1000) == 25
+    assert _regular_gap(made, 1000) == 100
+    blocks = [(4 * KIB, (), index) for index in made]
+    assert _first_and_next(blocks, None, 1000) == (0, 100)

@@ -176,8 +176,7 @@ def pile_ups(played: Replay, trace: tuple[Event, ...], beat: Rhythm | None
     for block in played.at_end.values():
         if block[2] >= 0:
             kept.setdefault(block[1], []).append(block)
-    spacing = played.entries / max(1, len(kept))
-    freed = freed_before(trace, {stack: _first_and_next(blocks, beat, spacing)
+    freed = freed_before(trace, {stack: _first_and_next(blocks, beat, played.entries)
                                  for stack, blocks in kept.items()})
     found: dict[str | None, PileUp] = {}
     for stack, blocks in kept.items():
@@ -199,25 +198,31 @@ def _older_by_site(played: Replay) -> dict[str | None, int]:
     return found
 
 
-def _first_and_next(blocks: list[Alive], beat: Rhythm | None, spacing: float
+def _first_and_next(blocks: list[Alive], beat: Rhythm | None, entries: int
                     ) -> tuple[int, int]:
     """The ``alloc`` indices of the first of ``blocks`` and of the first one kept from a later
-    iteration (without iterations: after a gap of more than half ``spacing`` entries, the
-    next burst). A block made before the first and freed after the second outlived an
-    iteration; the temporaries of the first iteration (saved for its backward, freed by it)
-    did not."""
+    iteration (without iterations: from the next burst, :func:`burst_near`). A block made
+    before the first and freed after the second outlived an iteration; the temporaries of
+    the first iteration (saved for its backward, freed by it) did not."""
     made = sorted(block[2] for block in blocks)
-    first = made[0]
+    first, near = made[0], burst_near(len(made), entries)
     for index in made[1:]:
-        if _later_iteration(first, index, beat, spacing):
+        if _later_iteration(first, index, beat, near):
             return first, index
     return first, made[-1]
 
 
-def _later_iteration(first: int, index: int, beat: Rhythm | None, spacing: float) -> bool:
+def _later_iteration(first: int, index: int, beat: Rhythm | None, near: float) -> bool:
     if beat is not None:
         return beat.iteration_of(index) > beat.iteration_of(first)
-    return index - first > spacing / 2
+    return index - first > near
+
+
+def burst_near(blocks: int, entries: int) -> float:
+    """Without iterations, allocations of one stack closer than this many trace entries are
+    one burst (one iteration's): half the gap they would have if the ``blocks`` were spread
+    evenly over the trace's ``entries``."""
+    return entries / max(1, blocks) / 2
 
 
 def piles_up(stack: tuple[Frame, ...], blocks: list[Alive], freed_before: int,
@@ -246,13 +251,12 @@ def piles_up(stack: tuple[Frame, ...], blocks: list[Alive], freed_before: int,
 
 
 def _regular_gap(made: list[int], entries: int) -> float | None:
-    """The median gap between the bursts of allocations at ``made`` (allocations closer than
-    half the gap they would have if spread evenly over the ``entries`` of the trace are one
-    burst: one iteration's) when there are :data:`MIN_BLOCKS_UNTIMED` bursts or more, spread
+    """The median gap between the bursts of allocations at ``made`` (:func:`burst_near`)
+    when there are :data:`MIN_BLOCKS_UNTIMED` bursts or more, spread
     over half the trace at least, none much further apart than the median; else ``None``."""
     if len(made) < MIN_BLOCKS_UNTIMED:
         return None
-    near = entries / len(made) / 2
+    near = burst_near(len(made), entries)
     starts = [made[0]] + [later for earlier, later in itertools.pairwise(made)
                           if later - earlier > near]
     if len(starts) < MIN_BLOCKS_UNTIMED or made[-1] - made[0] < entries / 2:
