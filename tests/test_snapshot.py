@@ -27,11 +27,21 @@ from memsentry.cli import main
 from memsentry.measure.history import MAX_FRAMES
 from memsentry.record import Options
 from memsentry.record.snapshot import SnapshotRecording
+from memsentry.usercode.phases import torch_phase
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 STEPS = 8
 LEAK_LINE = next(number for number, line in enumerate(Path(__file__).read_text().splitlines(), 1)
                  if line.endswith("# the leak: outputs with their graphs"))
+
+
+TORCH = Path(torch.__file__).parent
+
+
+def _users(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The frames of a recorded stack that are not torch's (the record keeps those of
+    torch's frames that say the phase of training)."""
+    return [f for f in frames if not Path(f["filename"]).is_relative_to(TORCH)]
 
 
 def leaky_loop(model: nn.Module, *, steps: int = STEPS) -> list[torch.Tensor]:
@@ -128,23 +138,28 @@ def test_a_leaky_loop_writes_a_snapshot_that_torch_reads(tmp_path: Path) -> None
     # Those made on the leaking line are what the loop kept, STEPS times the growth per
     # iteration that the report's timeline measured.
     here = str(Path(__file__))
-    leaked = [s for s in data["segments"]
-              if s["frames"] and s["frames"][0] == {"filename": here, "line": LEAK_LINE,
-                                                    "name": "leaky_loop"}]
+    leaked = [s for s in data["segments"] if _users(s["frames"])
+              and _users(s["frames"])[0] == {"filename": here, "line": LEAK_LINE,
+                                             "name": "leaky_loop"}]
     complete = [it.allocated for it in report.iterations if it.boundary != "exit"]
     growth = {after - before for before, after in itertools.pairwise(complete[1:])}
     assert len(growth) == 1 and growth.pop() == sum(s["total_size"] for s in leaked) // STEPS
     # each leaked step kept its input (32 x 64), the ReLU's output (32 x 128), the output.
     assert sorted({s["total_size"] for s in leaked}) == [32 * 10 * 4, 32 * 64 * 4, 32 * 128 * 4]
     assert len(leaked) == 3 * STEPS
-    # innermost first: the loop's line, then this test's; torch's and memsentry's left out.
-    outer = leaked[0]["frames"][1]
+    # innermost first: the loop's line, then this test's; memsentry's frames left out, and
+    # of torch's only those that say the phase (the module's call: these are a forward's).
+    outer = _users(leaked[0]["frames"])[1]
     assert outer["filename"] == here and outer["name"] == sys._getframe().f_code.co_name
-    files = {f["filename"] for e in trace for f in e["frames"]}
-    assert here in files
+    assert {torch_phase(f["filename"], f["name"]) for s in leaked for f in s["frames"]
+            if Path(f["filename"]).is_relative_to(TORCH)} <= {"forward"}
+    frames = {(f["filename"], f["name"]) for e in trace for f in e["frames"]}
+    assert here in {name for name, _ in frames}
     # (by package folder, not by a path's words: the checkout itself may be named memsentry)
-    packages = (Path(torch.__file__).parent, Path(memsentry.__file__).parent)
-    assert not [f for f in files if any(Path(f).is_relative_to(p) for p in packages)], files
+    mine = Path(memsentry.__file__).parent
+    assert not [f for f, _ in frames if Path(f).is_relative_to(mine)], frames
+    assert all(torch_phase(f, name) is not None for f, name in frames
+               if Path(f).is_relative_to(TORCH)), frames
     # A kept output is alive; dropped, nothing of memsentry's keeps it.
     probe = weakref.ref(kept[0])
     del kept
@@ -449,7 +464,8 @@ def test_run_writes_a_snapshot_of_the_leaky_sample(
               for e in data["device_traces"][0] if e["action"] == "alloc"]
     kept = [stack for stack in stacks if (str(script), 29) in stack]  # val_logits.append(...)
     assert len(kept) >= 5 * 3  # each validation forward's activations and output
-    assert all(stack[0][0] == str(SAMPLES / "toy.py") for stack in kept)  # Classifier.forward
+    users = [[f for f, _ in stack if not Path(f).is_relative_to(TORCH)] for stack in kept]
+    assert all(files[0] == str(SAMPLES / "toy.py") for files in users)  # Classifier.forward
 
 
 def test_run_checks_the_snapshot_path_before_the_script(

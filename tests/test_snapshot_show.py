@@ -20,6 +20,7 @@ from torch import nn
 import memsentry
 from memsentry.snapshots import SnapshotError, read_snapshot
 from memsentry.snapshots.findings import findings
+from memsentry.snapshots.frames import Part
 from memsentry.snapshots.judge import judge
 from memsentry.snapshots.read import snapshot_of
 
@@ -431,3 +432,32 @@ def test_bursts_are_told_apart_one_way_where_no_iteration_is_marked() -> None:
     assert _regular_gap(made, 1000) == 100
     blocks = [(4 * KIB, (), index) for index in made]
     assert _first_and_next(blocks, None, 1000) == (0, 100)
+
+
+def test_a_snapshot_memsentry_recorded_tells_the_parts_its_report_measured(
+        tmp_path: Path) -> None:
+    """The CPU record keeps torch's frames that say the phase, so the parts at the peak are
+    read from it as from a GPU's: Adam's state, made in its first step, is the report's
+    optimizer state to the byte, and nothing is left to the program's own code but what its
+    lines make outside the modules (the batch, the loss)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    path = tmp_path / "adam.pickle"
+    with memsentry.track(model, snapshot=str(path), on_leak="ignore", overhead=None) as t:
+        for _ in range(12):
+            loss = model(torch.randn(128, 64)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    report = t.report()
+    device = judge(read_snapshot(str(path))).devices[0]
+    assert device.phases_known and device.peak == report.peak
+    parts = dict(device.parts_at_peak)
+    assert sum(parts.values()) == device.peak
+    assert report.breakdown.peak is not None
+    params = list(model.parameters())
+    state = 2 * 4 * sum(p.numel() for p in params) + 4 * len(params)  # exp_avg, exp_avg_sq, step
+    assert parts[Part.STEP] == report.breakdown.peak.optimizer_state == state
+    assert parts[Part.FORWARD] > 0 and parts[Part.BACKWARD] > 0
+    assert parts[Part.OTHER] <= 2 * 128 * 64 * 4 + 8  # the batch and pow's output, the loss

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from memsentry.usercode.frames import is_machinery_frame
+from memsentry.usercode.phases import torch_phase
 
 #: One frame of a stack: ``{"filename": str, "line": int, "name": str}``.
 Frame = dict[str, Any]
 #: A trace entry, a segment or a whole snapshot: plain dicts, as torch's tools read them.
 Snapshot = dict[str, Any]
-#: A stack as recorded: (filename, line, function) of each user frame, innermost first.
+#: A stack as recorded: (filename, line, function) of each user frame (and each of torch's
+#: that says the phase), innermost first.
 Stack = tuple[tuple[str, int, str], ...]
 
 #: The user's frames kept per allocation, innermost first.
@@ -98,7 +100,9 @@ class History:
         self.recorded += len(actions)
 
     def _user_stack(self, frame: types.FrameType | None) -> Stack:
-        """The user's frames from ``frame`` outwards, innermost first; torch's, memsentry's
+        """The user's frames from ``frame`` outwards, innermost first, with those of torch's
+        that say the phase of training (:func:`~memsentry.usercode.phases.torch_phase`: an
+        optimizer's step, a backward, a module's forward); the rest of torch's, memsentry's
         and the standard library's left out (remembered per code object: every storage
         walks the stack)."""
         frames: list[tuple[str, int, str]] = []
@@ -108,7 +112,7 @@ class History:
             code = frame.f_code
             skip = machinery.get(code)
             if skip is None:
-                skip = is_machinery_frame(frame)
+                skip = _left_out(frame)
                 if len(machinery) < _CACHE_LIMIT:
                     machinery[code] = skip
             if not skip:
@@ -156,7 +160,14 @@ class History:
         # trace entry) and how many older entries were dropped, for `memsentry show`;
         # torch's readers and the viewer read the keys they know and pass over the others.
         return {"segments": segments, "device_traces": [trace],
-                "memsentry": {"device": "cpu", "iteration_ends": ends, "dropped": first}}
+                "memsentry": {"device": "cpu", "iteration_ends": ends, "dropped": first,
+                              "phases": True}}
+
+
+def _left_out(frame: types.FrameType) -> bool:
+    """Whether the record leaves ``frame`` out of a stack: machinery that says no phase."""
+    code = frame.f_code
+    return is_machinery_frame(frame) and torch_phase(code.co_filename, code.co_name) is None
 
 
 def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:

@@ -90,7 +90,8 @@ def _window(device: DeviceVerdict) -> str:
 def _phases(device: DeviceVerdict) -> str:
     """The parts at the peak, or why there are none to say."""
     if not device.phases_known:
-        return "not told (memsentry's record of CPU storages keeps your own frames only)"
+        return ("not told (a record of CPU storages written by an older memsentry keeps your "
+                "own frames only)")
     if all(part is Part.OTHER for part, _size in device.parts_at_peak):
         return "not told (no frame of torch's in the stacks of what was alive)"
     return ", ".join(f"{part.value} {format_bytes(size)}"

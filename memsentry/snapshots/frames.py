@@ -14,6 +14,7 @@ import functools
 import re
 
 from memsentry.snapshots.read import Frame
+from memsentry.usercode.phases import BACKWARD, FORWARD, SETUP, STEP, torch_phase
 
 #: A Python's standard library: ``/usr/lib/python3.11/``, ``C:\\Python311\\Lib\\``.
 _STDLIB = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]|python3\d*[/\\]lib[/\\]", re.IGNORECASE)
@@ -47,14 +48,6 @@ class Part(enum.Enum):
     OTHER = "your code outside torch's (inputs, copies)"
 
 
-def _torch_file(frame: Frame) -> str | None:
-    """The path of ``frame`` inside a ``torch`` folder (``nn/modules/module.py``), or
-    ``None``; :func:`_part_of_torch` reads only torch's own subfolders from it."""
-    name = frame.filename.replace("\\", "/")
-    at = name.rfind("/torch/")
-    return name[at + 7:] if at >= 0 else None
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def part_of(frames: tuple[Frame, ...]) -> Part:
     """The phase a stack (innermost first) was in: an optimizer's step, autograd's backward,
@@ -67,28 +60,13 @@ def part_of(frames: tuple[Frame, ...]) -> Part:
         return Part.BACKWARD
     found = Part.OTHER
     for frame in frames:
-        inside = _torch_file(frame)
-        if inside is None:
-            continue
-        part = _part_of_torch(inside, frame.name)
-        if part is not None:
-            found = part
+        phase = torch_phase(frame.filename, frame.name)
+        if phase is not None:
+            found = _PARTS[phase]
     return found
 
 
-def _part_of_torch(inside: str, function: str) -> Part | None:
-    if inside.startswith("optim/"):
-        return Part.STEP
-    if inside.startswith("autograd/") and function in ("backward", "grad", "_make_grads"):
-        return Part.BACKWARD
-    if inside == "_tensor.py" and function == "backward":
-        return Part.BACKWARD
-    if inside.startswith("nn/modules/"):
-        if function in ("_apply", "to", "cuda", "__init__", "reset_parameters"):
-            return Part.SETUP
-        if function in ("_call_impl", "_wrapped_call_impl", "forward"):
-            return Part.FORWARD
-    return None
+_PARTS = {STEP: Part.STEP, BACKWARD: Part.BACKWARD, SETUP: Part.SETUP, FORWARD: Part.FORWARD}
 
 
 __all__ = ["Part", "is_user_frame", "part_of", "user_frame"]

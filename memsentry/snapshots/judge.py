@@ -130,7 +130,7 @@ def judge_device(snapshot: AllocatorSnapshot, device: int) -> DeviceVerdict:
     beat = rhythm(trace, snapshot.iteration_ends if device == 0 else None)
     return DeviceVerdict(
         device=device, name=snapshot.device_name(device),
-        phases_known=snapshot.device_type != "cpu", entries=played.entries,
+        phases_known=snapshot.device_type != "cpu" or snapshot.phases, entries=played.entries,
         dropped=snapshot.dropped,
         before=played.before, peak=played.peak, end=played.end,
         iterations=beat.iterations if beat else None,

@@ -109,7 +109,8 @@ class AllocatorSnapshot:
     trace (``traces[i]`` is device ``i``'s) and the allocator's settings; for a snapshot
     ``track(snapshot=...)`` recorded on the CPU, ``device_type`` is ``"cpu"`` and
     ``iteration_ends`` the index of each iteration's last trace entry, ``dropped`` the older
-    entries its bound let go (``None``: not said, as in torch's own snapshots)."""
+    entries its bound let go (``None``: not said, as in torch's own snapshots) and
+    ``phases`` whether its stacks keep torch's frames that say the phase of training."""
 
     path: str
     file_bytes: int
@@ -119,6 +120,7 @@ class AllocatorSnapshot:
     device_type: str = "cuda"
     iteration_ends: tuple[int, ...] | None = None
     dropped: int | None = None
+    phases: bool = False
 
     def trace(self, device: int) -> tuple[Event, ...]:
         """``device``'s trace (empty where the file has none for it)."""
@@ -230,13 +232,20 @@ def snapshot_of(data: object, *, path: str = "<snapshot>", file_bytes: int = 0
                                                                path),
                              device_type=_device_type(top.get("memsentry")),
                              iteration_ends=_iteration_ends(top.get("memsentry"), path),
-                             dropped=_dropped(top.get("memsentry")))
+                             dropped=_dropped(top.get("memsentry")),
+                             phases=_phases(top.get("memsentry")))
 
 
 def _device_type(marks: object) -> str:
     """The device a snapshot memsentry wrote names (``cpu``); ``cuda`` for torch's own."""
     device = marks.get("device") if isinstance(marks, dict) else None
     return device if device == "cpu" else "cuda"
+
+
+def _phases(marks: object) -> bool:
+    """Whether memsentry's record keeps torch's frames that say the phase (its CPU records
+    keep them since they say so; earlier ones kept the user's frames only)."""
+    return isinstance(marks, dict) and marks.get("phases") is True
 
 
 def _dropped(marks: object) -> int | None:
