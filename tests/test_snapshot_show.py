@@ -208,11 +208,11 @@ def test_show_prints_the_verdict_as_text_and_json(tmp_path: Path) -> None:
     path = write(snapshot(training(20, keep="output")), tmp_path / "leak.pickle")
     text = show(path)
     assert text.returncode == 0, text.stderr
-    assert "LEAK tensor-accumulation: 640 KiB in 20 blocks from /home/me/train.py:42" \
+    assert "LEAK  tensor-accumulation: 640 KiB in 20 blocks from /home/me/train.py:42" \
         in text.stdout
     assert "at the end, by your line:" in text.stdout
     brief = show(path, "--findings-only")
-    assert "LEAK tensor-accumulation" in brief.stdout and "by your line" not in brief.stdout
+    assert "LEAK  tensor-accumulation" in brief.stdout and "by your line" not in brief.stdout
     data = json.loads(show(path, "--format", "json").stdout)
     assert data["kind"] == "allocator-snapshot"
     assert [f["rule"] for f in data["findings"]] == [LEAK]
@@ -309,7 +309,7 @@ def test_diff_of_two_snapshots_names_the_line_that_grew_and_fails_past_limits(
     plain = diff(old, new)
     assert plain.returncode == 0, plain.stderr
     assert "+640 KiB  /home/me/train.py:42 (train)  (0 B -> 640 KiB)" in plain.stdout
-    assert "Appeared (1)" in plain.stdout and "LEAK tensor-accumulation" in plain.stdout
+    assert "Appeared (1)" in plain.stdout and "LEAK  tensor-accumulation" in plain.stdout
     gated = diff(old, new, "--fail-on-new-findings", "--max-peak-increase", "5%",
                  "--json", tmp_path / "d.json")
     assert gated.returncode == 1

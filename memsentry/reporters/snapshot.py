@@ -4,10 +4,12 @@ formatting of a :class:`~memsentry.snapshots.judge.SnapshotVerdict` and its find
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from memsentry.model import Finding
 from memsentry.model.codec import to_plain
+from memsentry.reporters.finding_text import finding_lines
 from memsentry.reporters.wrap import fill
 from memsentry.rules.series import plural
 from memsentry.snapshots.compare import SnapshotDiff
@@ -42,13 +44,9 @@ def render_snapshot(verdict: SnapshotVerdict, findings: tuple[Finding, ...], *,
 def _findings(findings: tuple[Finding, ...], width: int) -> list[str]:
     if not findings:
         return [NO_FINDINGS]
-    lines = [f"Findings ({len(findings)})"]
-    for finding in findings:
-        head = f"  {finding.severity.value.upper()} {finding.rule}: {finding.message}"
-        lines.append(fill(printable(head), width, subsequent_indent="    "))
-        lines.append(fill(printable(f"    fix: {finding.fix}"), width,
-                          subsequent_indent="    "))
-    return lines
+    # What a foreign file names (its paths) is shown with its control characters escaped.
+    shown = [replace(f, message=printable(f.message), fix=printable(f.fix)) for f in findings]
+    return [f"Findings ({len(findings)})", *finding_lines(shown, width=width)]
 
 
 def _device(device: DeviceVerdict, width: int) -> list[str]:

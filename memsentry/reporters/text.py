@@ -21,6 +21,7 @@ from memsentry.model import (
 )
 from memsentry.reporters.breakdown import render_breakdown
 from memsentry.reporters.columns import LAYER_COLUMNS
+from memsentry.reporters.finding_text import finding_lines
 from memsentry.reporters.gpus import device_lines, nvml_line
 from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
@@ -235,15 +236,7 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
 
 def render_findings(report: ReportData, *, width: int = 100) -> str:
     """Each finding: severity, rule id and message, then the fix, wrapped to ``width``."""
-    lines = [f"Findings ({len(report.findings)})"]
-    for finding in report.findings:
-        shown = finding.where and finding.where not in finding.message
-        where = f" [{finding.where}]" if shown else ""
-        severity = str(finding.severity).upper()
-        rank = "" if finding.rank is None else f"rank {finding.rank}: "
-        head = f"  {severity:5} {rank}{finding.rule}{where}: {finding.message}"
-        lines.append(fill(head, width, subsequent_indent="        "))
-        lines.append(fill(f"        fix: {finding.fix}", width, subsequent_indent=" " * 13))
+    lines = [f"Findings ({len(report.findings)})", *finding_lines(report.findings, width=width)]
     return "\n".join(lines)
 
 
