@@ -63,7 +63,7 @@ class History:
         self._entries: deque[tuple[str, int, int, Stack, int]] = deque(maxlen=max_entries)
         self._stacks: dict[int, Stack] = {}  # live storage's address -> its stack
         self._interned: dict[Stack, Stack] = {}
-        self._machinery: dict[types.CodeType, bool] = {}
+        self._kinds: dict[types.CodeType, str] = {}  # code object -> frame_kind()
         self.recorded = 0  # entries ever recorded
         # (entries recorded, iteration) at each iteration's end
         self._ends: deque[tuple[int, int]] = deque(maxlen=max_entries)
@@ -102,21 +102,18 @@ class History:
     def _user_stack(self, frame: types.FrameType | None) -> Stack:
         """The user's frames from ``frame`` outwards, innermost first, with those of torch's
         that say the phase of training (:func:`~memsentry.usercode.phases.torch_phase`: an
-        optimizer's step, a backward, a module's forward); the rest of torch's, memsentry's
-        and the standard library's left out (remembered per code object: every storage
-        walks the stack)."""
+        optimizer's step, a backward, a module's forward), of a run of one phase with no
+        frame of the user's between them the outermost only (the one that decides); the rest
+        of torch's, memsentry's and the standard library's left out (each code object's kind
+        remembered: every storage walks the stack)."""
         frames: list[tuple[str, int, str]] = []
-        machinery = self._machinery
-        walked = 0
+        kinds = self._kinds
+        walked, run = 0, USER
         while frame is not None and len(frames) < MAX_FRAMES and walked < MAX_WALK:
-            code = frame.f_code
-            skip = machinery.get(code)
-            if skip is None:
-                skip = _left_out(frame)
-                if len(machinery) < _CACHE_LIMIT:
-                    machinery[code] = skip
-            if not skip:
-                frames.append((code.co_filename, frame.f_lineno or 0, code.co_name))
+            kind = kinds.get(frame.f_code) or self._learn(frame)
+            if kind != LEFT_OUT:
+                _keep(frames, frame, kind, run)
+                run = kind
             frame = frame.f_back
             walked += 1
         stack = tuple(frames)
@@ -127,9 +124,16 @@ class History:
             self._interned[stack] = stack
         return stack
 
+    def _learn(self, frame: types.FrameType) -> str:
+        """:func:`frame_kind` of a code object not met yet, remembered."""
+        kind = frame_kind(frame)
+        if len(self._kinds) < _CACHE_LIMIT:
+            self._kinds[frame.f_code] = kind
+        return kind
+
     def close(self) -> None:
         """Recording is over: forget the code objects remembered while walking stacks."""
-        self._machinery.clear()
+        self._kinds.clear()
 
     def snapshot(self, live: Mapping[int, int]) -> Snapshot:
         """The snapshot: a segment for each storage in ``live`` (address -> bytes, the
@@ -164,10 +168,31 @@ class History:
                               "phases": True}}
 
 
-def _left_out(frame: types.FrameType) -> bool:
-    """Whether the record leaves ``frame`` out of a stack: machinery that says no phase."""
+#: :func:`frame_kind`: a frame of the user's, one left out, or (else) the phase it says.
+USER = "user"
+LEFT_OUT = "-"
+
+
+def _keep(frames: list[tuple[str, int, str]], frame: types.FrameType, kind: str,
+          run: str) -> None:
+    """Add ``frame`` (of ``kind``) to ``frames``; a frame saying the phase the frame kept
+    before it said (``run``) takes its place: further out in the same phase."""
     code = frame.f_code
-    return is_machinery_frame(frame) and torch_phase(code.co_filename, code.co_name) is None
+    entry = (code.co_filename, frame.f_lineno or 0, code.co_name)
+    if kind != USER and kind == run:
+        frames[-1] = entry
+    else:
+        frames.append(entry)
+
+
+def frame_kind(frame: types.FrameType) -> str:
+    """What the record does with ``frame``: keeps it as the user's (:data:`USER`), leaves it
+    out (:data:`LEFT_OUT`: machinery that says no phase), or keeps it for the phase of
+    training it says (the phase's name)."""
+    if not is_machinery_frame(frame):
+        return USER
+    code = frame.f_code
+    return torch_phase(code.co_filename, code.co_name) or LEFT_OUT
 
 
 def segment(addr: int, size: int, frames: list[Frame]) -> Snapshot:
