@@ -17,9 +17,11 @@ effects away from every other test.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import pytest
 from _pytest.runner import runtestprotocol
@@ -78,15 +80,79 @@ def _window(plugin: Measuring, *, holders: bool, heap: bool) -> Window | HeapChe
     return Window(plugin.cuda or TorchCuda(), plugin.fixture_growth, sites=holders)
 
 
+#: The hooks a repeat must not call: what reports a result (a subtest's too: pytest's
+#: unittest support and its ``subtests`` fixture report each subtest through the item's hook
+#: proxy, not through ``runtestprotocol``'s ``log``) or stops the run to debug it.
+SILENCED = frozenset({"pytest_runtest_logreport", "pytest_exception_interact"})
+
+
+class QuietHooks:
+    """A node's hook proxy that passes every hook through but those of :data:`SILENCED`,
+    which do nothing: a repeat is not a test the terminal, junit-xml, xdist's controller or
+    the subtests' counts may hear of."""
+
+    def __init__(self, hooks: Any) -> None:
+        self._hooks = hooks
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SILENCED:
+            return _nothing
+        return getattr(self._hooks, name)
+
+
+def _nothing(**_kwargs: Any) -> list[Any]:
+    return []
+
+
+@contextlib.contextmanager
+def _quiet(item: pytest.Item) -> Iterator[None]:
+    """While a repeat of ``item`` runs, every node's hook proxy (``item.ihook``, read through
+    ``session.gethookproxy``) is quiet (:class:`QuietHooks`), and the count of the item's
+    failed subtests that pytest keeps (it fails a test that passed but has one) is left as
+    the test's own run set it."""
+    session = item.session
+    proxy = session.gethookproxy
+
+    def quiet(path: Any) -> Any:
+        return QuietHooks(proxy(path))
+
+    session.gethookproxy = quiet  # type: ignore[method-assign,assignment]
+    failed = _failed_subtests(item.config)
+    key = getattr(item, "id", item.nodeid)  # pytest 9 keys it by the structured node id
+    before = failed.get(key) if failed is not None else None
+    try:
+        yield
+    finally:
+        del session.gethookproxy  # the class's method again
+        if failed is not None:
+            failed.pop(key, None)
+            if before is not None:
+                failed[key] = before
+
+
+def _failed_subtests(config: pytest.Config) -> dict[Any, int] | None:
+    """pytest's count of failed subtests by test id (pytest 9's built-in subtests keep it in
+    the config's stash under a private key), or ``None`` where there is none."""
+    try:
+        from _pytest.subtests import failed_subtests_key
+    except ImportError:  # an older pytest: subtests come from a plugin, or not at all
+        return None
+    counts = config.stash.get(failed_subtests_key, None)
+    return counts if isinstance(counts, dict) else None
+
+
 def _protocol(entry: Pending, plugin: Measuring, window: Window | HeapCheck
               ) -> list[pytest.TestReport]:
-    """Run the test's protocol once more with ``window`` as the plugin's window."""
+    """Run the test's protocol once more with ``window`` as the plugin's window, heard by no
+    reporter."""
     plugin.window = window
     try:
         # Torn down as if the next test were a sibling: the function's fixtures go, those of
         # the class, module and session stay for the next run.
-        return runtestprotocol(entry.item, nextitem=entry.item.parent,  # type: ignore[arg-type]
-                               log=False)
+        with _quiet(entry.item):
+            return runtestprotocol(entry.item,
+                                   nextitem=entry.item.parent,  # type: ignore[arg-type]
+                                   log=False)
     except BaseException:
         window.abort()
         raise
