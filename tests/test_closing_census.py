@@ -197,7 +197,8 @@ def _cache_loop(mode: str, steps: int, shapes: int, **options: Any) -> memsentry
     buffers: dict[int, torch.Tensor] = {}
     clock = options.pop("clock", FakeClock())
     wrap = tracked if mode == "track" else watched
-    with wrap(model, clock=clock, on_leak="ignore", **options) as t:
+    options.setdefault("on_leak", "ignore")
+    with wrap(model, clock=clock, **options) as t:
         for step in range(steps):
             clock.advance(1e-3)
             n = 8 + step % shapes
@@ -277,28 +278,14 @@ def test_a_dict_that_gains_a_string_key_until_it_is_full_is_no_leak(mode: str) -
 
 
 def test_a_leak_said_while_the_run_lived_and_taken_back_at_the_end_is_noted() -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(32, 32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    buffers: dict[int, torch.Tensor] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        clock = FakeClock()  # the budget pays for the closing census whatever the load
-        with tracked(model, clock=clock) as t:
-            for step in range(60):
-                clock.advance(1e-3)
-                n = 8 + step % 30
-                if n not in buffers:
-                    buffers[n] = torch.zeros(n, 32)
-                loss = model(buffers[n].normal_()).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        found = _cache_loop("track", 60, 30, on_leak="warn")
     said = [w for w in caught if issubclass(w.category, memsentry.LeakWarning)]
     assert len(said) == 1 and "`buffers`" in str(said[0].message)  # said at iteration 34
-    assert not _leaks(t.report().findings)
+    assert not _leaks(found.findings)
     assert any(note.startswith("The leak said at iteration 34 (tensor-accumulation: "
-                               "`buffers`) did not hold to the end") for note in t.report().notes)
+                               "`buffers`) did not hold to the end") for note in found.notes)
 
 
 @pytest.mark.parametrize("mode", MODES)
