@@ -113,12 +113,12 @@ class LiveAlarm:
         self.on_leak = on_leak
         self.alarm = alarm
         self.report_path = report_path
-        self.said: set[tuple[str, str]] = set()
+        # leak -> the iteration of the census it was said at, and the finding said
+        self.said: dict[tuple[str, str], tuple[int, Finding]] = {}
         self.errors: list[str] = []  # why the report file could not be written
         self._written = time.monotonic()
         self._raised: BaseException | None = None  # the error left for a boundary
         self.warned: set[tuple[str, str]] = set()  # leaks the mid-run warning said
-        self._said_at: dict[tuple[str, str], tuple[int, Finding]] = {}  # census, finding
         self._since: dict[tuple[str, str], int] = {}  # leak -> the census it was first seen at
         self._in_file: set[tuple[str, str]] = set()  # the findings the report file has
 
@@ -142,9 +142,8 @@ class LiveAlarm:
         self._keep_file(report)
         if not new:
             return None
-        self.said.update(finding_key(f) for f in new)
         now = report.censuses[-1].iteration if report.censuses else 0
-        self._said_at.update((finding_key(f), (now, f)) for f in new)
+        self.said.update((finding_key(f), (now, f)) for f in new)
         found = leak_text(report, new)
         assert found is not None
         try:
@@ -163,7 +162,7 @@ class LiveAlarm:
             f"The leak said at iteration {at} ({finding.rule}: "
             f"{_subject(finding)}) did not hold to the end: judged on every holder search, the "
             f"last at iteration {last}, it is no leak, and this report has no finding for it."
-            for key, (at, finding) in self._said_at.items() if key not in keys
+            for key, (at, finding) in self.said.items() if key not in keys
         ]
 
     def _keep_file(self, report: Report) -> None:
