@@ -98,6 +98,35 @@ class HolderStats:
         return self.tensors + self.modules + self.arrays + self.nodes + self.buffers
 
 
+@dataclass(frozen=True)
+class HolderLength:
+    """How many items a container kept at the iteration boundaries after a census found it
+    growing: its length read again at each boundary memsentry closed, by following its
+    ``path`` (``name``) from its root, with no census (a few lookups). ``items`` is its length
+    at the last boundary read (``until``), which it had since the boundary ``since``;
+    ``first`` is the first boundary read. ``pause`` is the most iterations it kept one
+    length before that (a leak that grows in bursts pauses between them), ``spacing`` the
+    most iterations between two readings (a pause shorter than that could go unseen)."""
+
+    path: tuple[Step, ...]
+    items: int
+    since: int
+    until: int
+    first: int
+    pause: int = 0
+    spacing: int = 0
+
+    @property
+    def name(self) -> str:
+        """The path as code spells it."""
+        return spell(self.path)
+
+    @property
+    def still(self) -> int:
+        """The iterations it has kept its last length, as read."""
+        return self.until - self.since
+
+
 #: The ``module`` of the :class:`HookStats` that counts the callbacks registered with
 #: :mod:`atexit` (no module of a model can be named so).
 EXIT_REGISTRY = "<atexit>"

@@ -13,7 +13,7 @@ from memsentry.model.codec import build, found, to_plain
 from memsentry.model.cost import Cost
 from memsentry.model.devices import DeviceMemory
 from memsentry.model.findings import Finding
-from memsentry.model.holders import Census, UnusedGraph
+from memsentry.model.holders import Census, HolderLength, UnusedGraph
 from memsentry.model.kinds import Measured, PeakMode
 from memsentry.model.legacy import upgrade
 from memsentry.model.oom import OutOfMemory
@@ -61,6 +61,9 @@ class ReportData:
     whole process (the C heap, a device's allocator) count their memory too. ``devices``
     describes each CUDA device that held memory when tracking stopped, in a process that sees
     more than one (a model spread over GPUs), by the allocator and by NVML; empty otherwise.
+    ``lengths`` are the lengths of the containers the censuses found growing, read again at every
+    boundary memsentry closed after that (a container that fills to a size and stays is seen
+    staying between two censuses far apart).
 
     :class:`memsentry.Report` is this value with its text rendering (``str(report)``).
     """
@@ -96,6 +99,7 @@ class ReportData:
     pinned: PinnedMemory | None = None
     other_threads: int = 0
     devices: tuple[DeviceMemory, ...] = ()
+    lengths: tuple[HolderLength, ...] = ()
 
     @property
     def breakdown(self) -> Breakdowns:

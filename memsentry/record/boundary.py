@@ -29,6 +29,7 @@ from memsentry.record.policy import (
     Signal,
     census_in,
     ends_unhooked,
+    length_stride,
     passes,
     plan_next,
 )
@@ -75,6 +76,7 @@ class Boundaries:
         self._now = budget.clock
         self.plan: IterationPlan | None = None  # the running iteration's, from the policy
         self._censuses_seen = 0  # censuses taken at the last light boundary
+        self._next_length = 0  # the next passed boundary whose lengths are read
         # Called as each iteration closes, while a memory_viz snapshot records the CPU's
         # storages (record/snapshot.py): it marks where the iteration ends in the trace.
         self.mark: Callable[[int], None] | None = None
@@ -106,6 +108,18 @@ class Boundaries:
         self._clock.index += 1
         if self.mark is not None:
             self.mark(self._clock.index - 1)
+        if self._censuses.lengths.tracks and self._clock.index > self._next_length:
+            self._read_lengths(self._clock.index - 1)
+
+    def _read_lengths(self, index: int) -> None:
+        """At a boundary passed with a count (closing ``index``): the lengths of the
+        containers found growing, as often as their share of the budget pays for."""
+        began = self._now()
+        self._censuses.read_lengths(index)
+        spent = self._now() - began
+        self._budget.charge(BOUNDARIES, spent, 0)
+        self._next_length = index + length_stride(spent, self._budget.account(),
+                                                  self._budget.tuning)
 
     def _charge_passed(self) -> None:
         """What the steps passed since the last closing cost beyond any clock
@@ -297,6 +311,8 @@ class Boundaries:
         iterations ending, the passed ones with this one). Returns the account the plan was
         made from."""
         index = self._clock.index
+        if self._holders:
+            self._censuses.read_lengths(index)
         if self._holders and boundary != Boundary.EXIT:
             self._censuses.plan(index, due=self._census_wanted(index, iterations))
         if self.mark is not None and boundary != Boundary.EXIT:

@@ -47,6 +47,8 @@ class Tuning:
       tracker's own share).
     - ``read_share``: the share of the budget that reading light iterations' boundaries takes.
     - ``max_passed``: boundaries passed with a count only, in a row, at most.
+    - ``length_share``: the share of the budget that reading the lengths of the containers
+      found growing takes at boundaries passed with a count (each reading: microseconds).
     - ``first_census``: the iteration of the first census (after the warm-up the rules skip).
     - ``always_taken``: censuses taken when due whatever the account holds (iterations 2, 3,
       4, 6, 10, 18 and 34): they decide a short run's trends, and a rule that saw fewer would
@@ -74,6 +76,7 @@ class Tuning:
     startup_share: float = 0.05
     read_share: float = 0.5
     max_passed: int = 256
+    length_share: float = 0.25
     first_census: int = 2
     always_taken: int = 7
     still_bytes: int = 128
@@ -301,6 +304,19 @@ def passes(account: Account, *, each: float, closing: float, running: int,
     count = math.ceil(closing / (tuning.read_share * earned)) - 1
     count = min(count, tuning.max_passed, next_census(running - 1, tuning) - running)
     return max(0, count)
+
+
+def length_stride(spent: float, account: Account, tuning: Tuning = DEFAULT) -> int:
+    """Every how many boundaries passed with a count the lengths of the containers followed
+    are read, after a reading that took ``spent`` seconds: as often as keeps the readings
+    within ``length_share`` of the budget, an iteration paying in its share of the loop's
+    mean seconds per iteration; every one without a limit or before an iteration was
+    clocked."""
+    if account.share is None or account.iterations <= 0 or account.loop <= 0:
+        return 1
+    earned = account.share * account.loop / account.iterations
+    stride = math.ceil(spent / (tuning.length_share * earned))
+    return max(1, min(stride, tuning.max_passed))
 
 
 # -- hooks ---------------------------------------------------------------------------------

@@ -428,4 +428,5 @@ class Recorder:
             allocator_stats=counters[0], nvml=counters[1], devices=counters[2],
             censuses=tuple(self._censuses.censuses), unused_graphs=self._outermost.unused(),
             oom=self._oom, cost=cost, other_threads=self._owner.others(),
+            lengths=self._censuses.lengths.freeze(),
         ))

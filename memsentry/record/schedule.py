@@ -20,6 +20,7 @@ from memsentry.measure import heap_in_use
 from memsentry.model import Census, HolderStats, Measured, Step
 from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
+from memsentry.record.lengths import Lengths
 from memsentry.record.policy import CensusState, Standing, census_step, closing_census, stands
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
@@ -55,6 +56,7 @@ class CensusSchedule:
         self._records = 0  # the backend's memory the censuses' records take
         self._probe = False  # the pending census waits for the account: only carried, if at all
         self._heap_records = 0  # the same in the C heap
+        self.lengths = Lengths()  # the containers found growing, read at each boundary
 
     def gc_event(self, phase: str, info: dict[str, Any]) -> None:
         """``gc.callbacks`` entry: measure what automatic full collections free (cycles)."""
@@ -119,6 +121,7 @@ class CensusSchedule:
         finally:
             self._collecting = False
         self.censuses.append(census)
+        self.lengths.follow(self.censuses, model)
         # What memory and hooks were as it began (its hooks are those it counted).
         self._basis = self._standing(iteration, collected, heap_collected,
                                      tuple((h.module, h.count) for h in census.hooks))
@@ -131,6 +134,19 @@ class CensusSchedule:
         if heap_collected is not None and heap_after is not None:
             self._heap_records += heap_after - heap_collected
         return True
+
+    def read_lengths(self, iteration: int) -> None:
+        """At the boundary closing ``iteration``: the lengths of the containers followed
+        (:class:`~memsentry.record.lengths.Lengths`); a failure becomes a note."""
+        if not self.lengths.tracks:
+            return
+        try:
+            self.lengths.read(iteration, sys._getframe(1))
+        except Exception as exc:  # the user's loop must go on whatever the reading meets
+            self.lengths.tracks.clear()
+            self.errors.append(
+                f"Reading the lengths of growing containers at iteration {iteration} failed "
+                f"({type(exc).__name__}: {exc}); please report this to memsentry.")
 
     def _standing(self, iteration: int, allocated: int, heap: int | None,
                   hooks: tuple[tuple[str | None, int], ...]) -> Standing:

@@ -43,8 +43,8 @@ def analysed(report: ReportData, rules: Sequence[str] | None = None
     """:func:`analyse`'s findings, and the notes of the leaks the census taken as tracking
     ended shows stopped (:func:`memsentry.rules.closing.settle`: they are not findings)."""
     findings = [f for rule_id in _chosen(rules) for f in RULES[rule_id](report)]
-    findings, stopped = settle(report, findings)
-    return tuple(sorted(_without_fallbacks(findings), key=_order)), tuple(stopped)
+    kept, stopped = settle(report, findings)
+    return tuple(sorted(_without_fallbacks(kept, findings), key=_order)), tuple(stopped)
 
 
 def _chosen(rules: Sequence[str] | None) -> Sequence[str]:
@@ -58,10 +58,11 @@ def _chosen(rules: Sequence[str] | None) -> Sequence[str]:
     return rules
 
 
-def _without_fallbacks(findings: list[Finding]) -> list[Finding]:
-    """``findings`` less those of the fallback rules, when one of them names a cause of
-    growth (a leak is reported once, under its cause)."""
-    if not any(_is_cause(f) for f in findings):
+def _without_fallbacks(findings: list[Finding], made: Sequence[Finding]) -> list[Finding]:
+    """``findings`` less those of the fallback rules, when one of those the rules ``made``
+    names a cause of growth: a leak is reported once, under its cause, and growth a cause
+    explains as a container that filled and stayed (:func:`settle` dropped it) is none."""
+    if not any(_is_cause(f) for f in made):
         return findings
     return [f for f in findings if not RULES[f.rule].fallback]
 

@@ -11,6 +11,8 @@ less than a quarter of what its own pace promised over those iterations: it fill
 stayed. A holder whose series fell before (a container emptied every epoch: the closing
 census may land just after a reset), one the closing census did not see (the function that
 ran the loop may have returned), and a pace too slow for the gap to tell are left as judged.
+A container that fills within the last few iterations of that gap is told by the lengths
+read at every boundary instead (:mod:`memsentry.rules.stayed`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from memsentry.model import (
     SubjectKind,
 )
 from memsentry.rules.series import complete_censuses
+from memsentry.rules.stayed import kept_still
 from memsentry.units import format_bytes
 
 #: The share of the gain its pace promised that a holder must still gain by the end.
@@ -60,18 +63,26 @@ class Held:
 def settle(report: ReportData, findings: Sequence[Finding]) -> tuple[list[Finding], list[str]]:
     """``findings`` less the LEAKs the closing census shows stopped, and a note for each."""
     closing = _closing(report)
-    if closing is None:
+    if closing is None and not report.lengths:
         return list(findings), []
     regular = complete_censuses(report)
     kept, notes = [], []
     for finding in findings:
-        note = _stopped(regular, closing, finding) if finding.severity is Severity.LEAK \
-            else None
+        note = _settled(report, regular, closing, finding) \
+            if finding.severity is Severity.LEAK else None
         if note is None:
             kept.append(finding)
         else:
             notes.append(note)
     return kept, notes
+
+
+def _settled(report: ReportData, regular: list[Census], closing: Census | None,
+             finding: Finding) -> str | None:
+    """The note saying that ``finding``'s subject stopped growing, by the closing census or
+    by the lengths read at every boundary (:func:`~memsentry.rules.stayed.kept_still`)."""
+    note = _stopped(regular, closing, finding) if closing is not None else None
+    return note if note is not None else kept_still(report, regular, finding)
 
 
 def _closing(report: ReportData) -> Census | None:

@@ -170,6 +170,23 @@ def frame_locals(frame: types.FrameType) -> dict[str, Any]:
     return dict(frame.f_locals)
 
 
+def one_local(frame: types.FrameType, name: str) -> tuple[bool, Any]:
+    """Whether the function frame ``frame`` has the local ``name`` bound, and its value: the
+    snapshot dict Python before 3.13 makes is read once and emptied again (see
+    :func:`release_locals`), a later one's proxy read."""
+    values = frame.f_locals
+    try:
+        return name in values, values.get(name)
+    finally:
+        if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED \
+                and values is not frame.f_globals:
+            values.clear()
+
+
+#: Whether reading ``f_locals`` leaves a snapshot dict on a function frame (before 3.13).
+_SNAPSHOTS = sys.version_info < (3, 13)
+
+
 def release_locals(frame: types.FrameType) -> None:
     """Before Python 3.13 reading ``f_locals`` leaves a snapshot dict on a function frame that
     keeps every local's value alive after the code rebinds it; empty it again. The interpreter
