@@ -1,5 +1,7 @@
 """Naming leaked storages that no Python object holds: a reference cycle inside autograd's
-C++ graph keeps them, out of the reach of ``gc.collect()`` and of the holder search."""
+C++ graph keeps them, out of the reach of ``gc.collect()`` and of the holder search. Two
+cycles are told: a tensor whose own graph saved a tensor later modified in place, and a leaf
+whose ``.grad`` has a graph (``backward(create_graph=True)``) that refers back to the leaf."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from memsentry.measure.storage import storage_pointer
-from pytest_memsentry.results import AUTOGRAD_CYCLE, LeakedTensor
+from pytest_memsentry.results import AUTOGRAD_CYCLE, GRAD_CYCLE, LeakedTensor
 
 
 def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
@@ -26,19 +28,88 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     ``grad_fn``, no Python referrer, and its own graph saved a tensor later modified in place;
     a tensor merely saved by a graph that something else keeps stays "not reached"."""
     wanted = {pointers[i]: i for i in unreached}
-    matches = _tensors_of(wanted)
+    matches, leaves = _tensors_of(wanted)
     cycles = {storage_pointer(tensor) for tensor in matches if _in_cycle(tensor, matches)}
+    graded = _grad_cycles(leaves, matches) & wanted.keys()
     matches.clear()
+    leaves.clear()
     out = list(tensors)
+    for key in graded - cycles:
+        out[wanted[key]] = replace(out[wanted[key]], holder=GRAD_CYCLE)
     for key in cycles:
         out[wanted[key]] = replace(out[wanted[key]], holder=AUTOGRAD_CYCLE, grad_fn=True)
     return out
 
 
-def _tensors_of(storages: Mapping[int, int]) -> list[torch.Tensor]:
-    """The tensors the collector tracks whose storage is one of ``storages``."""
-    return [obj for obj in gc.get_objects()
-            if issubclass(type(obj), torch.Tensor) and storage_pointer(obj) in storages]
+def _tensors_of(storages: Mapping[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors the collector tracks whose storage is one of ``storages``, and the leaves
+    whose ``.grad`` has a graph."""
+    matches, leaves = [], []
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        if storage_pointer(obj) in storages:
+            matches.append(obj)
+        if obj.grad_fn is None and obj.requires_grad and _graphed_grad(obj):
+            leaves.append(obj)
+    return matches, leaves
+
+
+def _graphed_grad(leaf: torch.Tensor) -> bool:
+    try:
+        grad = leaf.grad
+        return grad is not None and grad.grad_fn is not None
+    except Exception:  # a subclass's own attribute handling
+        return False
+
+
+def _grad_cycles(leaves: list[torch.Tensor], matches: list[torch.Tensor]) -> set[int]:
+    """The storages kept by the cycle between a leaf no Python object refers to and its
+    ``.grad``'s graph (``backward(create_graph=True)``): the leaf's, its gradient's and those
+    the gradient's graph saved (its first nodes)."""
+    kept: set[int] = set()
+    for leaf in leaves:
+        if _referred(leaf, matches, leaves):
+            continue
+        grad = leaf.grad
+        assert grad is not None
+        kept |= {storage_pointer(leaf), storage_pointer(grad), *_saved_storages(grad)}
+    return kept
+
+
+def _saved_storages(tensor: torch.Tensor, limit: int = 2_000) -> set[int]:
+    """The storages the graph of ``tensor`` (its first ``limit`` nodes) saved for backward,
+    and the leaves its AccumulateGrad nodes hold."""
+    kept: set[int] = set()
+    for node in _nodes(tensor.grad_fn, limit):
+        for value in _saved(node):
+            kept.add(storage_pointer(value))
+    return kept
+
+
+def _nodes(root: Any, limit: int) -> list[Any]:
+    stack: list[Any] = [root]
+    seen: dict[int, Any] = {}
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(child for child, _index in node.next_functions)
+    return list(seen.values())
+
+
+def _saved(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved (and an AccumulateGrad's leaf), as it can read
+    them."""
+    values = [getattr(node, "variable", None)]
+    for name in dir(type(node)):
+        if name.startswith("_saved_"):
+            try:
+                values.append(getattr(node, name))
+            except Exception:  # freed by a backward, or modified in place
+                continue
+    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 def _in_cycle(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
@@ -49,9 +120,10 @@ def _in_cycle(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
         and _modified_in_place(tensor)
 
 
-def _referred(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
-    """Whether a Python object other than ``matches`` and a frame refers to ``tensor``."""
-    return any(referrer is not matches and not isinstance(referrer, FrameType)
+def _referred(tensor: torch.Tensor, *lists: list[torch.Tensor]) -> bool:
+    """Whether a Python object other than ``lists`` and a frame refers to ``tensor``."""
+    return any(all(referrer is not found for found in lists)
+               and not isinstance(referrer, FrameType)
                for referrer in gc.get_referrers(tensor))
 
 

@@ -73,10 +73,21 @@ class Measurement:
 @dataclass(frozen=True)
 class Repeat:
     """A flagged test run a second time: per device, the bytes the second run kept beyond
-    what the first run had left (``grown``), or why it could not be run again (``error``)."""
+    what the first run had left (``grown``), or why it could not be run again (``error``);
+    ``failed`` counts the repeats whose call failed its own checks (they are still judged on
+    what they kept)."""
 
     grown: dict[str, int]
     error: str | None = None
+    failed: int = 0
+
+    def failures(self) -> str | None:
+        """The clause saying that repeats failed, or ``None`` when none did."""
+        if not self.failed:
+            return None
+        which = "one of its repeats" if self.failed == 1 else f"{self.failed} of its repeats"
+        return (f"{which} failed its own checks (a flaky test, or one that depends on state "
+                "it changes); what it kept still counts")
 
     def grows(self, device: str, limits: Limits) -> bool:
         return self.error is None and self.grown.get(device, 0) > limits.max_leak

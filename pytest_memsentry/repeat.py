@@ -53,6 +53,7 @@ class Rerun(NamedTuple):
 
     window: Window | HeapCheck
     measurement: Measurement
+    failed: bool = False
 
 
 class Measuring(Protocol):
@@ -186,12 +187,15 @@ def _run(entry: Pending, plugin: Measuring, *, holders: bool = False, heap: bool
     except Exception as error:
         window.abort()
         return f"measuring it failed: {error!r}"
-    reason = _not_rerun(_protocol(entry, plugin, window))
+    reports = _protocol(entry, plugin, window)
+    reason = _not_rerun(reports)
     if reason is not None:
         window.abort()
         return reason
     _forget_last_failure()
-    return Rerun(window, window.finish(entry.item, entry.limits, judged=True, holders=holders))
+    failed = any(r.failed and r.when == "call" for r in reports)
+    return Rerun(window, window.finish(entry.item, entry.limits, judged=True, holders=holders),
+                 failed)
 
 
 def run_twice(entry: Pending, plugin: Measuring) -> Repeat:
@@ -219,7 +223,8 @@ def _twice(entry: Pending, plugin: Measuring) -> Repeat:
     second = _run(entry, plugin)
     if isinstance(second, str):
         return Repeat({}, second)
-    return Repeat(growth(before, second.measurement, first.window.still_kept()))
+    return Repeat(growth(before, second.measurement, first.window.still_kept()),
+                  failed=first.failed + second.failed)
 
 
 def _heap_again(entry: Pending, plugin: Measuring) -> Repeat | None:

@@ -23,6 +23,10 @@ LEAK_FIX = (
     "it in a function-scoped fixture that frees it at teardown), or allow it: "
     "@pytest.mark.memsentry(max_leak={allow!r})"
 )
+CYCLE_FIX = (
+    "fix: no Python object holds them: break the cycle the note above names, or allow it: "
+    "@pytest.mark.memsentry(max_leak={allow!r})"
+)
 GRAPH_NOTE = (
     "note: a kept tensor with a grad_fn keeps its autograd graph and the tensors it saved for "
     "backward: keep .detach()ed tensors (.item() for numbers), or run the code under "
@@ -34,6 +38,16 @@ AUTOGRAD_CYCLE = (
     "a reference cycle inside autograd's graph (C++), which gc.collect() cannot free: an "
     "in-place op on a tensor that requires grad"
 )
+GRAD_CYCLE = "a cycle: a leaf and its .grad's graph (backward(create_graph=True))"
+GRAD_CYCLE_NOTE = (
+    "note: backward(create_graph=True) gives each leaf's .grad a graph that refers back to the "
+    "leaf, a cycle inside autograd's graph that only ends with the process (PyTorch warns of "
+    "it), and each backward adds to a .grad that is not cleared: set `p.grad = None` for every "
+    "leaf when its gradient is used (zero_grad() clears only the parameters its optimizer "
+    "holds), or take the gradients with torch.autograd.grad(loss, params, create_graph=True), "
+    "which stores none"
+)
+CYCLES = (AUTOGRAD_CYCLE, GRAD_CYCLE)
 CYCLE_NOTE = (
     "note: an in-place op on a tensor that requires grad (`a += a * y`, `x[:, 1:] = "
     "f(x[:, :-1])`) can make a cycle inside autograd's graph that only ends with the process: "
@@ -123,7 +137,7 @@ def _held_by(tensor: LeakedTensor, unreached: str) -> str:
     """The table's "held by" cell: the holder (with its graph), or ``unreached``."""
     if tensor.holder is None:
         return unreached
-    named = tensor.holder != AUTOGRAD_CYCLE
+    named = tensor.holder not in CYCLES
     return f"{tensor.holder}, with grad_fn" if tensor.grad_fn and named else tensor.holder
 
 
@@ -207,6 +221,9 @@ def _leak_verdict(measurement: Measurement, limits: Limits, repeat: Repeat | Non
     clauses = leaks.clauses
     if repeat.error is None:
         clauses = [*clauses, f"run again, it kept {repeat.figures()}: it grows with every run"]
+    failures = repeat.failures()
+    if failures is not None:
+        clauses = [*clauses, failures]
     return leaks._replace(grew=grew, clauses=clauses)
 
 
@@ -290,10 +307,17 @@ def _notes(measurement: Measurement, limits: Limits, leaked: list[DeviceFigures]
     if leaked and retained is not None:
         lines.append(_retained_note(retained))
     if leaked:
-        lines.append(LEAK_FIX.format(allow=allowance(max(f.leaked for f in leaked))))
+        fix = CYCLE_FIX if _only_cycles(measurement) else LEAK_FIX
+        lines.append(fix.format(allow=allowance(max(f.leaked for f in leaked))))
     if peaked:
         lines.append(PEAK_FIX.format(allow=allowance(max(f.peak for f in peaked))))
     return lines
+
+
+def _only_cycles(measurement: Measurement) -> bool:
+    """Whether every kept tensor listed is kept by a cycle inside autograd's graph: no
+    holder to release."""
+    return bool(measurement.tensors) and all(t.holder in CYCLES for t in measurement.tensors)
 
 
 def _graph_notes(measurement: Measurement) -> list[str]:
@@ -301,7 +325,9 @@ def _graph_notes(measurement: Measurement) -> list[str]:
     lines = []
     if any(t.holder == AUTOGRAD_CYCLE for t in measurement.tensors):
         lines.append(CYCLE_NOTE)
-    if any(t.grad_fn and t.holder != AUTOGRAD_CYCLE for t in measurement.tensors):
+    if any(t.holder == GRAD_CYCLE for t in measurement.tensors):
+        lines.append(GRAD_CYCLE_NOTE)
+    if any(t.grad_fn and t.holder not in CYCLES for t in measurement.tensors):
         lines.append(GRAPH_NOTE)
     return lines
 
@@ -309,7 +335,9 @@ def _graph_notes(measurement: Measurement) -> list[str]:
 def _retained_note(retained: Repeat) -> str:
     """Why memory retained once did not fail the test (or why it could not be told)."""
     if retained.error is None:
-        return RETAINED_NOTE.format(again=retained.figures())
+        failures = retained.failures()
+        note = RETAINED_NOTE.format(again=retained.figures())
+        return note if failures is None else f"{note}; {failures}"
     return UNREPEATED_NOTE.format(error=retained.error)
 
 
@@ -406,6 +434,7 @@ def summary(entries: list[tuple[str, Mapping[str, Any]]], top: int = TOP) -> lis
 
 __all__ = [
     "AUTOGRAD_CYCLE",
+    "GRAD_CYCLE",
     "NAME",
     "RETAINED",
     "TOP",

@@ -1053,6 +1053,10 @@ def test_a_repeat_that_fails_is_judged_on_what_it_kept(pytester):
     result.stdout.fnmatch_lines([
         "test_repeat_fails.py::test_refuses_a_second_run: 3.9 KiB retained on cpu*",
     ])
+    # Said as such: a flaky test, or one that depends on the state it changes.
+    text = output(result)
+    assert "it grows with every run; 2 of its repeats failed its own checks (a flaky test, " \
+           "or one that depends on state it changes); what it kept still counts" in text
 
 
 def test_a_cycle_inside_autograds_graph_is_named(pytester):
@@ -1071,6 +1075,42 @@ def test_a_cycle_inside_autograds_graph_is_named(pytester):
     assert "a reference cycle inside autograd's graph (C++), which gc.collect() cannot " \
            "free" in text
     assert "write it out of place (`a = a + a * y`)" in text
+    assert "nothing memsentry reached" not in text
+
+
+def test_the_cycle_backward_with_create_graph_makes_is_named_and_its_fix_clears_it(pytester):
+    """A leaf's .grad with a graph refers back to the leaf: the storages grow with every run
+    (a weight no optimizer clears sums every backward's graph into its .grad), and no Python
+    object holds them. Setting the gradients to None, as the note says, leaves nothing."""
+    pytester.makepyfile(test_second_order="""
+        import torch
+
+
+        def _steps(clear):
+            weight = torch.randn(10, 5, requires_grad=True)
+            bias = torch.randn(10, requires_grad=True)
+            x = torch.randn(5)
+            for _ in range(20):
+                loss = (weight.mv(x) + bias).pow(2).sum()
+                loss.backward(create_graph=True)
+            if clear:
+                weight.grad = bias.grad = None
+
+
+        def test_kept():
+            _steps(clear=False)
+
+
+        def test_cleared():
+            _steps(clear=True)
+    """)
+    result = pytester.runpytest("--memsentry", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    assert statuses(result) == {"test_kept": "LEAKED", "test_cleared": "PASSED"}
+    text = output(result)
+    assert "a cycle: a leaf and its .grad's graph (backward(create_graph=True))" in text
+    assert "set `p.grad = None` for every leaf" in text
+    assert "fix: no Python object holds them" in text
     assert "nothing memsentry reached" not in text
 
 
