@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from pytest_memsentry.measure import CudaApi, Window
 
 LIMITS = pytest.StashKey[Limits]()
-CHECKS = ("heap", "storages")
 _TRIGGER_KIB = 64  # pytest_memsentry.heap.TRIGGER (not imported here: it imports torch)
 STATUS = {"leaked": ("failed", "L", "LEAKED"), "peak": ("failed", "P", "PEAK EXCEEDED")}
 
@@ -83,6 +82,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "storages counted) or 'storages' (every storage made by every op "
                          "counted from the first run: sees leaks of any size, at a cost per "
                          "op; ini memsentry_check)")
+    group.addoption("--memsentry-repeat", metavar="WHEN", default=None,
+                    help="when a test that left memory behind is run twice more: 'end' "
+                         "(default: when every test has run, so no later test sees the "
+                         "repeats' side effects; the test is reported then) or 'now' (right "
+                         "after it, reported in its place; as under -x, --maxfail, "
+                         "--stepwise and pytest-xdist; ini memsentry_repeat)")
     group.addoption("--memsentry-report", action="store_true", default=False,
                     help="print the tests with the largest leaks and peaks at the end")
     parser.addini("memsentry", "check every test for memory leaks (as --memsentry)",
@@ -90,6 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("memsentry_strict", "fail for memory retained once too (as "
                   "--memsentry-strict)", type="bool", default=False)
     parser.addini("memsentry_check", "default of --memsentry-check", default="")
+    parser.addini("memsentry_repeat", "default of --memsentry-repeat", default="")
     parser.addini("memsentry_max_leak", "default of --memsentry-max-leak", default="")
     parser.addini("memsentry_max_peak", "default of --memsentry-max-peak", default="")
 
@@ -111,16 +117,30 @@ def _size_option(config: pytest.Config, name: str) -> int | None:
 
 
 def _check_option(config: pytest.Config) -> str:
-    value = config.getoption("memsentry_check")
-    source = "--memsentry-check"
+    return _choice(config, "memsentry_check", {
+        "heap": "the default, cheap: a closer look only at tests that grew the heap",
+        "storages": "every storage counted, any size"})
+
+
+def _repeat_option(config: pytest.Config) -> str:
+    return _choice(config, "memsentry_repeat", {
+        "end": "the default: when every test has run, so that no later test sees a repeat's "
+               "side effects",
+        "now": "right after the test, which is then reported in its place"})
+
+
+def _choice(config: pytest.Config, name: str, allowed: dict[str, str]) -> str:
+    """The value of the option ``name`` from the command line (which wins) or the ini file,
+    the first of ``allowed`` by default; ``pytest.UsageError`` naming the option and each
+    allowed value (with what it does) otherwise."""
+    value = config.getoption(name)
+    source = f"--{name.replace('_', '-')}"
     if value is None:
-        value = config.getini("memsentry_check").strip() or "heap"
-        source = "ini option memsentry_check"
-    if value not in CHECKS:
-        raise pytest.UsageError(
-            f"{source}={value!r}: use 'heap' (the default, cheap: a closer look only at "
-            "tests that grew the heap) or 'storages' (every storage counted, any size)"
-        )
+        value = config.getini(name).strip() or next(iter(allowed))
+        source = f"ini option {name}"
+    if value not in allowed:
+        choices = " or ".join(f"'{key}' ({text})" for key, text in allowed.items())
+        raise pytest.UsageError(f"{source}={value!r}: use {choices}")
     return str(value)
 
 
@@ -158,7 +178,8 @@ class Manager:
         # where its verdict is needed at once: a pytest-xdist worker reports each test while
         # it runs, and -x, --maxfail and --stepwise stop on the failures logged so far.
         self.at_once = bool(hasattr(config, "workerinput") or config.getoption("maxfail", 0)
-                            or config.getoption("stepwise", False))
+                            or config.getoption("stepwise", False)
+                            or _repeat_option(config) == "now")
         self.window: Window | HeapCheck | None = None
         self.fixture_growth: dict[Any, dict[int, int]] = {}
 
