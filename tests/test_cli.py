@@ -422,6 +422,18 @@ def test_a_mistyped_option_gets_the_subcommands_usage_and_a_suggestion(
     assert "did you mean --width?" in err
 
 
+def test_an_option_before_the_command_is_named_not_its_value(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took the option's value for the command: "invalid choice: 'x.json'"."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--jsn", "x.json", "run", str(SAMPLES / "toy.py")])
+    assert exited.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "memsentry: error: --jsn comes before the command: the options of run go after " \
+           "its name (memsentry run [options] ...); did you mean memsentry run --json?" in err
+    assert "x.json" not in err
+
+
 def test_the_scripts_options_before_its_name_are_put_after_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     script = str(SAMPLES / "train_leaky.py")

@@ -149,10 +149,29 @@ def _value_follows(action: argparse.Action | None, word: str) -> bool:
     return takes and "=" not in word
 
 
+def _before_the_command(parser: argparse.ArgumentParser, words: list[str]) -> str | None:
+    """What to say of an option memsentry itself does not know, put before the command's
+    name (``memsentry --jsn x.json run s.py``: argparse would take ``x.json`` for the
+    command); ``None`` when the words begin otherwise or name no command."""
+    option = words[0].split("=")[0] if words else ""
+    command = next((word for word in words if word in _COMMANDS), None)
+    if not option.startswith("-") or option in parser._option_string_actions or command is None:
+        return None
+    message = (f"{option} comes before the command: the options of {command} go after its "
+               f"name (memsentry {command} [options] ...)")
+    known = [name for name in _subparser(parser, command)._option_string_actions
+             if name.startswith("--")]
+    close = difflib.get_close_matches(option, known, n=1, cutoff=0.75)
+    return f"{message}; did you mean memsentry {command} {close[0]}?" if close else message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``memsentry`` command; returns the exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    misplaced = _before_the_command(parser, words)
+    if misplaced is not None:
+        parser.error(misplaced)
     args, extra = parser.parse_known_args(words)
     if extra:
         command = _subparser(parser, args.command)
