@@ -6,7 +6,7 @@ whose ``.grad`` has a graph (``backward(create_graph=True)``) that refers back t
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -87,28 +87,35 @@ def _saved_storages(tensor: torch.Tensor, limit: int = 2_000) -> set[int]:
     return kept
 
 
-def _nodes(root: Any, limit: int) -> list[Any]:
+def _nodes(root: Any, limit: int) -> Iterator[Any]:
+    """The autograd nodes of the graph that begins at ``root``, its first ``limit``, each
+    once, as a walk meets them."""
     stack: list[Any] = [root]
-    seen: dict[int, Any] = {}
+    seen: set[int] = set()
     while stack and len(seen) < limit:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen[id(node)] = node
+        seen.add(id(node))
+        yield node
         stack.extend(child for child, _index in node.next_functions)
-    return list(seen.values())
+
+
+def _saved_values(node: Any) -> Iterator[tuple[Any, Exception | None]]:
+    """Each tensor the autograd node saved, read: its value, or the error reading it raised
+    (freed by a backward, modified in place since)."""
+    for name in dir(type(node)):
+        if name.startswith("_saved_"):
+            try:
+                yield getattr(node, name), None
+            except Exception as error:
+                yield None, error
 
 
 def _saved(node: Any) -> list[torch.Tensor]:
     """The tensors an autograd node saved (and an AccumulateGrad's leaf), as it can read
     them."""
-    values = [getattr(node, "variable", None)]
-    for name in dir(type(node)):
-        if name.startswith("_saved_"):
-            try:
-                values.append(getattr(node, name))
-            except Exception:  # freed by a backward, or modified in place
-                continue
+    values = [getattr(node, "variable", None), *(value for value, _ in _saved_values(node))]
     return [value for value in values if isinstance(value, torch.Tensor)]
 
 
@@ -131,33 +138,14 @@ def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:
     """Whether the tensor's own graph (its first ``limit`` nodes) saved a tensor that was
     modified in place afterwards: the mark of the cycle (a tensor saved by a node of its own
     history). Only a test that leaked unreached storages pays for this walk."""
-    stack: list[Any] = [tensor.grad_fn]
-    seen: set[int] = set()
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if _saved_modified_in_place(node):
-            return True
-        stack.extend(child for child, _index in node.next_functions)
-    return False
+    return any(_saved_modified_in_place(node) for node in _nodes(tensor.grad_fn, limit))
 
 
 def _saved_modified_in_place(node: Any) -> bool:
     """Whether reading one of the autograd node's saved tensors says it was modified by an
     in-place operation since it was saved."""
-    for name in dir(type(node)):
-        if not name.startswith("_saved_"):
-            continue
-        try:
-            getattr(node, name)
-        except RuntimeError as error:
-            if "inplace operation" in str(error):
-                return True
-        except Exception:
-            continue
-    return False
+    return any(isinstance(error, RuntimeError) and "inplace operation" in str(error)
+               for _, error in _saved_values(node))
 
 
 __all__ = ["kept_by_autograd"]
