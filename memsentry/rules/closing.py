@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from memsentry.model import (
     Census,
@@ -30,7 +29,7 @@ from memsentry.model import (
     Step,
     SubjectKind,
 )
-from memsentry.rules.series import complete_censuses
+from memsentry.rules.series import Held, complete_censuses, held_by, holders_under
 from memsentry.rules.stayed import kept_still
 from memsentry.units import format_bytes
 
@@ -45,19 +44,6 @@ FIGURES = (("items", MIN_ITEMS), ("bytes", MIN_BYTES), ("nodes", MIN_ITEMS))
 #: Iterations between the last one recorded and the end before the end says anything (the
 #: recorder's own gap for the closing census: ``Tuning.carry_gap``).
 MIN_GAP = 8
-
-
-@dataclass(frozen=True)
-class Held:
-    """What a subject kept at one census: items (tensors, models, arrays, nodes, buffers;
-    hooks for a module), bytes (its own and what its graphs save for backward), autograd
-    nodes, and of the items, the tensors."""
-
-    iteration: int
-    items: float
-    bytes: float
-    nodes: float
-    tensors: float = 0.0
 
 
 def settle(report: ReportData, findings: Sequence[Finding]) -> tuple[list[Finding], list[str]]:
@@ -182,13 +168,8 @@ def _fell(seen: Sequence[Held], name: str) -> bool:
 def _holder(census: Census, path: tuple[Step, ...]) -> Held | None:
     """The holder at ``path`` and those under it (a dict's keys, judged as one) at
     ``census``; ``None`` when it saw none."""
-    under = [h for h in census.holders if h.path[:len(path)] == path]
-    if not under:
-        return None
-    return Held(census.iteration, float(sum(h.held for h in under)),
-                float(sum(h.bytes + h.graph_saved_bytes for h in under)),
-                float(sum(h.graph_nodes for h in under)),
-                float(sum(h.tensors for h in under)))
+    under = holders_under(census, path)
+    return held_by(census.iteration, under) if under else None
 
 
 def _hooks(census: Census, module: str | None) -> Held | None:

@@ -411,3 +411,29 @@ def _stopped(points: Sequence[tuple[int, int]], rate: float) -> bool:
     ``MIN_RECENT_RATE_SHARE`` of ``rate`` (nor at ``MIN_RATE``)."""
     recent = slope(points[-max(2, round(len(points) * RECENT_SHARE)):])
     return recent is None or recent < max(MIN_RATE, MIN_RECENT_RATE_SHARE * rate)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a subject kept at one census: items (tensors, models, arrays, nodes, buffers;
+    hooks for a module), bytes (its own and what its graphs save for backward), autograd
+    nodes, and of the items, the tensors."""
+
+    iteration: int
+    items: float
+    bytes: float
+    nodes: float
+    tensors: float = 0.0
+
+
+def holders_under(census: Census, path: tuple[Step, ...]) -> list[HolderStats]:
+    """The holder at ``path`` and those under it (a dict's keys) that ``census`` saw."""
+    return [h for h in census.holders if h.path[:len(path)] == path]
+
+
+def held_by(iteration: int, holders: Sequence[HolderStats]) -> Held:
+    """What ``holders``, judged as one, kept at the census of ``iteration``."""
+    return Held(iteration, float(sum(h.held for h in holders)),
+                float(sum(h.bytes + h.graph_saved_bytes for h in holders)),
+                float(sum(h.graph_nodes for h in holders)),
+                float(sum(h.tensors for h in holders)))

@@ -14,7 +14,7 @@ unseen).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from memsentry.model import (
     Census,
@@ -25,6 +25,7 @@ from memsentry.model import (
     Step,
     SubjectKind,
 )
+from memsentry.rules.series import Held, held_by, holders_under
 
 #: The share by which what each item keeps may rise while the growth is still in the items.
 PER_ITEM = 0.25
@@ -47,7 +48,7 @@ def kept_still(report: ReportData, regular: Sequence[Census], finding: Finding) 
     if own is None or growth is None:
         return None
     first, last = growth
-    pace = (last.length - first.length) / (last.iteration - first.iteration)
+    pace = (last.length - first.length) / (last.held.iteration - first.held.iteration)
     if pace * own.still < MIN_ITEMS:
         return None
     return _note(subject.name, first, last, own)
@@ -64,16 +65,12 @@ def _read_still(report: ReportData, path: tuple[Step, ...]) -> HolderLength | No
     return own
 
 
-@dataclass(frozen=True)
-class _Kept:
-    """What a holder (with what is under it) kept at one census: its ``length`` (a dict
-    whose keys are holders of their own: the keys seen), the objects and bytes under it."""
+class _Kept(NamedTuple):
+    """What a holder (with what is under it) kept at one census, and its ``length`` (a dict
+    whose keys are holders of their own: the keys seen)."""
 
-    iteration: int
+    held: Held
     length: int
-    items: int
-    bytes: int
-    tensors: int
 
 
 def _growth(regular: Sequence[Census], path: tuple[Step, ...]) -> tuple[_Kept, _Kept] | None:
@@ -85,22 +82,21 @@ def _growth(regular: Sequence[Census], path: tuple[Step, ...]) -> tuple[_Kept, _
     if len(seen) < 2:
         return None
     first, last = seen[0], seen[-1]
-    if last.iteration <= first.iteration or last.length <= first.length or first.length <= 0:
+    if last.held.iteration <= first.held.iteration or last.length <= first.length \
+            or first.length <= 0:
         return None
     for name in ("items", "bytes"):
-        if getattr(last, name) / last.length > \
-                (1 + PER_ITEM) * getattr(first, name) / first.length:
+        if getattr(last.held, name) / last.length > \
+                (1 + PER_ITEM) * getattr(first.held, name) / first.length:
             return None
     return first, last
 
 
 def _kept(census: Census, path: tuple[Step, ...]) -> _Kept | None:
-    under = [h for h in census.holders if h.path[:len(path)] == path]
+    under = holders_under(census, path)
     if not under:
         return None
-    return _Kept(census.iteration, _length(under, path), sum(h.held for h in under),
-                 sum(h.bytes + h.graph_saved_bytes for h in under),
-                 sum(h.tensors for h in under))
+    return _Kept(held_by(census.iteration, under), _length(under, path))
 
 
 def _length(under: list[HolderStats], path: tuple[Step, ...]) -> int:
@@ -120,11 +116,12 @@ def _still(held: HolderLength, end: int) -> bool:
 
 
 def _note(name: str, first: _Kept, last: _Kept, held: HolderLength) -> str:
-    what = "tensors" if last.items == last.tensors else "objects"
+    begun, ended = first.held, last.held
+    what = "tensors" if ended.items == ended.tensors else "objects"
     return (
-        f"`{name}` grew from {first.items:,} to {last.items:,} {what} between iterations "
-        f"{first.iteration} and {last.iteration}, and its length, read at every boundary "
-        f"since, stayed at {held.items:,} from iteration {held.since} to the end "
+        f"`{name}` grew from {begun.items:,.0f} to {ended.items:,.0f} {what} between "
+        f"iterations {begun.iteration} and {ended.iteration}, and its length, read at every "
+        f"boundary since, stayed at {held.items:,} from iteration {held.since} to the end "
         f"({held.until}): it filled to a size and stayed, which is no leak, so no finding "
         "is made of it."
     )
