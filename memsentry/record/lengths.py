@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
 
@@ -22,18 +23,36 @@ from memsentry.model import Census, HolderLength, HolderStats, Step
 LIMIT = 8
 
 
+class LastTwo(NamedTuple):
+    """The last complete census's ``holders``, those of the complete census before by path
+    (``before``), and the paths of the containers whose keys that one saw (``parents``: a
+    dict's string key is a holder of its own)."""
+
+    holders: tuple[HolderStats, ...]
+    before: dict[tuple[Step, ...], HolderStats]
+    parents: set[tuple[Step, ...]]
+
+
+def last_two(censuses: Sequence[Census]) -> LastTwo | None:
+    """The last two complete censuses, to compare; ``None`` before there are two."""
+    complete = [c for c in censuses if c.complete]
+    if len(complete) < 2:
+        return None
+    before = {h.path: h for h in complete[-2].holders}
+    return LastTwo(complete[-1].holders, before,
+                   {path[:-1] for path in before if len(path) > 1})
+
+
 def followed(censuses: Sequence[Census]) -> list[tuple[tuple[Step, ...], Reach]]:
     """The containers to follow after the last complete census: those that kept more items
     than at the complete census before, and the dicts that gained a key beside those it saw
     (each key a holder of its own), as each can be reached again."""
-    complete = [c for c in censuses if c.complete]
-    if len(complete) < 2:
+    pair = last_two(censuses)
+    if pair is None:
         return []
-    before = {h.path: h for h in complete[-2].holders}
-    parents = {path[:-1] for path in before if len(path) > 1}
     chosen: dict[tuple[Step, ...], Reach] = {}
-    for holder in complete[-1].holders:
-        for path in _grown(holder, before.get(holder.path), parents):
+    for holder in pair.holders:
+        for path in _grown(holder, pair.before.get(holder.path), pair.parents):
             reach = reach_of(path, holder.kind, holder.scope)
             if reach is not None:
                 chosen.setdefault(path, reach)

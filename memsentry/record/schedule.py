@@ -20,7 +20,7 @@ from memsentry.measure import heap_in_use
 from memsentry.model import Census, HolderStats, Measured, Step
 from memsentry.record.budget import ANALYSIS, CENSUSES, Budget
 from memsentry.record.layers import LayerRegistry
-from memsentry.record.lengths import Lengths
+from memsentry.record.lengths import Lengths, last_two
 from memsentry.record.policy import CensusState, Standing, census_step, closing_census, stands
 from memsentry.record.sampler import Sampler
 from memsentry.record.threads import Owner, collector_paused
@@ -318,13 +318,9 @@ def still_rising(censuses: Sequence[Census]) -> bool:
     """Whether a holder kept more at the last complete census than at the one before (by
     count or by bytes), or a new one appeared beside those that census saw (a dict's new
     string key is a holder of its own): what a verdict of growth would rest on."""
-    complete = [c for c in censuses if c.complete]
-    if len(complete) < 2:
-        return False
-    before = {h.path: h for h in complete[-2].holders}
-    siblings = {path[:-1] for path in before if len(path) > 1}
-    return any(_grew(holder, before.get(holder.path), siblings)
-               for holder in complete[-1].holders)
+    pair = last_two(censuses)
+    return pair is not None and any(_grew(holder, pair.before.get(holder.path), pair.parents)
+                                    for holder in pair.holders)
 
 
 def _grew(holder: HolderStats, was: HolderStats | None,
