@@ -170,6 +170,10 @@ def frame_locals(frame: types.FrameType) -> dict[str, Any]:
     return dict(frame.f_locals)
 
 
+#: Whether reading ``f_locals`` leaves a snapshot dict on a function frame (before 3.13).
+_SNAPSHOTS = sys.version_info < (3, 13)
+
+
 def one_local(frame: types.FrameType, name: str) -> tuple[bool, Any]:
     """Whether the function frame ``frame`` has the local ``name`` bound, and its value: the
     snapshot dict Python before 3.13 makes is read once and emptied again (see
@@ -178,13 +182,8 @@ def one_local(frame: types.FrameType, name: str) -> tuple[bool, Any]:
     try:
         return name in values, values.get(name)
     finally:
-        if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED \
-                and values is not frame.f_globals:
-            values.clear()
-
-
-#: Whether reading ``f_locals`` leaves a snapshot dict on a function frame (before 3.13).
-_SNAPSHOTS = sys.version_info < (3, 13)
+        if _snapshots(frame):
+            _empty(frame, values)
 
 
 def release_locals(frame: types.FrameType) -> None:
@@ -192,11 +191,20 @@ def release_locals(frame: types.FrameType) -> None:
     keeps every local's value alive after the code rebinds it; empty it again. The interpreter
     refreshes it whenever someone reads it (debuggers, ``locals()``); the one visible effect is
     on a dict that the function got from ``locals()`` earlier and still reads without calling
-    ``locals()`` again: it is that same dict, and it is empty after a census."""
-    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-        snapshot = frame.f_locals
-        if snapshot is not frame.f_globals:
-            snapshot.clear()
+    ``locals()`` again: it is that same dict, and it is empty after a census (or a reading of
+    the length of a container among its locals, at a boundary)."""
+    if _snapshots(frame):
+        _empty(frame, frame.f_locals)
+
+
+def _snapshots(frame: types.FrameType) -> bool:
+    """Whether reading ``frame``'s ``f_locals`` left a snapshot dict on it."""
+    return _SNAPSHOTS and bool(frame.f_code.co_flags & inspect.CO_OPTIMIZED)
+
+
+def _empty(frame: types.FrameType, snapshot: Any) -> None:
+    if snapshot is not frame.f_globals:
+        snapshot.clear()
 
 
 def _judge(name: str, module: Any) -> bool:
