@@ -91,13 +91,12 @@ def unknown_options(command: argparse.ArgumentParser, extra: list[str], argv: li
     """What to say of options the subcommand does not know: the closest of its own
     (``--jsn``: did you mean ``--json``?), and for ``run``, that the script's options go
     after the script, with the command line put right when the script can be told."""
-    known = [option for option in command._option_string_actions if option.startswith("--")]
     options = [word for word in extra if word.startswith("-")]
     hints = []
     for option in options:
-        close = difflib.get_close_matches(option.split("=")[0], known, n=1, cutoff=0.75)
-        if close:
-            hints.append(f"{option}: did you mean {close[0]}?")
+        close = _closest(command, option.split("=")[0])
+        if close is not None:
+            hints.append(f"{option}: did you mean {close}?")
     message = f"unrecognized arguments: {' '.join(extra)}"
     if hints:
         return f"{message} ({'; '.join(hints)})"
@@ -108,6 +107,14 @@ def unknown_options(command: argparse.ArgumentParser, extra: list[str], argv: li
         if fixed is not None:
             message += f": memsentry {' '.join(map(shlex.quote, fixed))}"
     return message
+
+
+def _closest(command: argparse.ArgumentParser, option: str) -> str | None:
+    """The long option of ``command`` closest to the mistyped ``option`` (``--jsn``:
+    ``--json``), or ``None`` when none is close."""
+    known = [name for name in command._option_string_actions if name.startswith("--")]
+    close = difflib.get_close_matches(option, known, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _script_options_after(command: argparse.ArgumentParser, argv: list[str]
@@ -159,10 +166,8 @@ def _before_the_command(parser: argparse.ArgumentParser, words: list[str]) -> st
         return None
     message = (f"{option} comes before the command: the options of {command} go after its "
                f"name (memsentry {command} [options] ...)")
-    known = [name for name in _subparser(parser, command)._option_string_actions
-             if name.startswith("--")]
-    close = difflib.get_close_matches(option, known, n=1, cutoff=0.75)
-    return f"{message}; did you mean memsentry {command} {close[0]}?" if close else message
+    close = _closest(_subparser(parser, command), option)
+    return f"{message}; did you mean memsentry {command} {close}?" if close else message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
