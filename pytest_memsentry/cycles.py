@@ -29,9 +29,14 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     a tensor merely saved by a graph that something else keeps stays "not reached"."""
     wanted = {pointers[i]: i for i in unreached}
     matches, leaves = _tensors_of(wanted)
-    cycles = {storage_pointer(tensor) for tensor in matches if _in_cycle(tensor, matches)}
-    graded = _grad_cycles(leaves, matches) & wanted.keys()
-    matches.clear()
+    graphed = [tensor for tensor in matches if tensor.grad_fn is not None]
+    candidates = graphed + leaves
+    alone = _unreferred(candidates, matches, leaves, graphed, candidates)
+    cycles = {storage_pointer(tensor) for tensor in graphed
+              if id(tensor) in alone and _modified_in_place(tensor)}
+    graded = _grad_cycles([leaf for leaf in leaves if id(leaf) in alone]) & wanted.keys()
+    for found in (candidates, graphed, matches):
+        found.clear()
     leaves.clear()
     out = list(tensors)
     for key in graded - cycles:
@@ -63,14 +68,12 @@ def _graphed_grad(leaf: torch.Tensor) -> bool:
         return False
 
 
-def _grad_cycles(leaves: list[torch.Tensor], matches: list[torch.Tensor]) -> set[int]:
+def _grad_cycles(leaves: list[torch.Tensor]) -> set[int]:
     """The storages kept by the cycle between a leaf no Python object refers to and its
     ``.grad``'s graph (``backward(create_graph=True)``): the leaf's, its gradient's and those
     the gradient's graph saved (its first nodes)."""
     kept: set[int] = set()
     for leaf in leaves:
-        if _referred(leaf, matches, leaves):
-            continue
         grad = leaf.grad
         assert grad is not None
         kept |= {storage_pointer(leaf), storage_pointer(grad), *_saved_storages(grad)}
@@ -119,19 +122,19 @@ def _saved(node: Any) -> list[torch.Tensor]:
     return [value for value in values if isinstance(value, torch.Tensor)]
 
 
-def _in_cycle(tensor: torch.Tensor, matches: list[torch.Tensor]) -> bool:
-    """Whether ``tensor`` is kept by a cycle inside its own autograd graph: it has a
-    ``grad_fn``, no Python object refers to it (but ``matches`` and frames) and its graph
-    saved a tensor modified in place."""
-    return tensor.grad_fn is not None and not _referred(tensor, matches) \
-        and _modified_in_place(tensor)
-
-
-def _referred(tensor: torch.Tensor, *lists: list[torch.Tensor]) -> bool:
-    """Whether a Python object other than ``lists`` and a frame refers to ``tensor``."""
-    return any(all(referrer is not found for found in lists)
-               and not isinstance(referrer, FrameType)
-               for referrer in gc.get_referrers(tensor))
+def _unreferred(tensors: list[torch.Tensor], *lists: list[torch.Tensor]) -> set[int]:
+    """The ids of ``tensors`` no Python object refers to but ``lists`` and frames: one scan
+    of the collector's objects for all of them (a scan per tensor took seconds once a suite
+    had left a few thousand tensors behind)."""
+    wanted = {id(tensor) for tensor in tensors}
+    ignored = {id(found) for found in lists}
+    referred: set[int] = set()
+    for referrer in gc.get_referrers(*tensors):
+        if id(referrer) in ignored or isinstance(referrer, FrameType):
+            continue
+        referred.update(id(value) for value in gc.get_referents(referrer)
+                        if id(value) in wanted)
+    return wanted - referred
 
 
 def _modified_in_place(tensor: torch.Tensor, limit: int = 2_000) -> bool:

@@ -11,6 +11,8 @@ made and freed for PyTorch's memory_viz (``track(snapshot=...)``).
 from __future__ import annotations
 
 import collections
+import sys
+import types
 import weakref
 from typing import Any
 
@@ -22,7 +24,7 @@ from memsentry.measure.base import Passive
 from memsentry.measure.cpu import physical_memory
 from memsentry.measure.history import History
 from memsentry.model import Measured, PeakMode
-from memsentry.usercode.frames import user_site
+from memsentry.usercode.frames import site_location, user_line, user_site
 from memsentry.usercode.location import Location
 
 
@@ -109,10 +111,15 @@ def _input_storages(func: Any, args: Any, kwargs: dict[str, Any]) -> set[int]:
     not new memory, and when the input predates tracking it belongs to the baseline."""
     if func is _LIFT_FRESH:  # torch.tensor(data): the storage was made just before
         return set()
-    given = tensors_of(args)
+    pointers = set()
+    for value in args:  # most arguments are tensors and numbers: read those here
+        if type(value) is torch.Tensor:
+            pointers.add(storage_pointer(value))
+        elif isinstance(value, torch.Tensor | list | tuple | dict):
+            pointers.update(storage_pointer(t) for t in tensors_of(value))
     if kwargs:
-        given += tensors_of(kwargs)
-    return {storage_pointer(t) for t in given}
+        pointers.update(storage_pointer(t) for t in tensors_of(kwargs))
+    return pointers
 
 
 def _run_op(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -161,7 +168,10 @@ class StorageCounter(_CountingMode):
     def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
         super().__init__()
         self._live: dict[int, int] = {}
-        self.sites: dict[int, Location | None] | None = {} if sites else None
+        # The user's line that made each storage, as code and line number: made a
+        # Location only when read (:attr:`sites`).
+        self._lines: dict[int, tuple[types.CodeType, int] | None] | None = (
+            {} if sites else None)
         self.history: History | None = None
         self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
             {} if other_devices else None
@@ -183,6 +193,15 @@ class StorageCounter(_CountingMode):
         """Bytes of the CPU storages made while counting and still alive."""
         self.settle()
         return self._current
+
+    @property
+    def sites(self) -> dict[int, Location | None] | None:
+        """The user's line that made each CPU storage still alive (with ``sites``), else
+        ``None``."""
+        if self._lines is None:
+            return None
+        self.settle()
+        return {key: site_location(line) for key, line in self._lines.items()}
 
     @property
     def live(self) -> dict[int, int]:
@@ -226,8 +245,8 @@ class StorageCounter(_CountingMode):
     def _count(self, out: Any, inputs: set[int]) -> None:
         """Count the new storages among an op's results: those on the CPU, and those on other
         devices when they are counted too."""
-        for leaf in tensors_of(out):
-            if leaf.device.type == "cpu":
+        for leaf in [out] if type(out) is torch.Tensor else tensors_of(out):
+            if leaf.is_cpu:
                 self._see(leaf, inputs)
             elif self.device_live is not None:
                 self._see_device(leaf, inputs)
@@ -248,8 +267,8 @@ class StorageCounter(_CountingMode):
             return
         key, size, storage = new
         self._live[key] = size
-        if self.sites is not None:
-            self.sites[key] = user_site()
+        if self._lines is not None:
+            self._lines[key] = user_line(sys._getframe(1))
         if self.history is not None:
             self.history.alloc(key, size)
         self._current += size
@@ -269,8 +288,8 @@ class StorageCounter(_CountingMode):
     def _free(self, key: int) -> None:
         size = self._live.pop(key, 0)
         self._current -= size
-        if self.sites is not None:
-            self.sites.pop(key, None)
+        if self._lines is not None:
+            self._lines.pop(key, None)
         if self.history is not None and size:
             self.history.free(key, size)
 

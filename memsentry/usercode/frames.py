@@ -98,13 +98,28 @@ def source_file(cls: type) -> str | None:
 def user_site() -> Location | None:
     """The line (and function) of the innermost frame of the user's code on the stack, or
     ``None`` when there is none."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and is_machinery_frame(frame):
+    return site_location(user_line(sys._getframe(1)))
+
+
+def user_line(frame: types.FrameType | None) -> tuple[types.CodeType, int] | None:
+    """The code and line of the innermost frame of the user's code from ``frame`` outwards,
+    or ``None`` when there is none: what :func:`site_location` makes a location of, later
+    (the storage counter asks for the line of every new storage, and reads few of them)."""
+    known = _MACHINERY_CODE.get
+    while frame is not None:
+        machinery = known(frame.f_code)  # the usual answer, without a call
+        if not (is_machinery_frame(frame) if machinery is None else machinery):
+            return frame.f_code, frame.f_lineno or 0
         frame = frame.f_back
-    if frame is None:
+    return None
+
+
+def site_location(line: tuple[types.CodeType, int] | None) -> Location | None:
+    """The location of a line :func:`user_line` found."""
+    if line is None:
         return None
-    code = frame.f_code
-    return Location(short_path(code.co_filename), frame.f_lineno or 0, code.co_name)
+    code, lineno = line
+    return Location(short_path(code.co_filename), lineno, code.co_name)
 
 
 def user_frames(start: types.FrameType | None) -> list[types.FrameType]:
