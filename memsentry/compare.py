@@ -16,6 +16,7 @@ from memsentry.model import Breach, LimitCheck, Limits, ReportData, ReportDiff
 from memsentry.paths import replace_text
 from memsentry.reporters.diff import diff_to_dict, diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
+from memsentry.reporters.width import terminal_width
 from memsentry.rules.diff import check as check_limits
 from memsentry.rules.diff import diff as compare
 
@@ -29,12 +30,14 @@ class Diff(ReportDiff):
     ``str(diff)`` is the text report of the change."""
 
     def format(self, *, limits: Limits | None = None, top: int | None = 10,
-               width: int = 100) -> str:
+               width: int | None = None) -> str:
         """The text: peak and growth (old -> new, with the change), the categories at the
         peak, the ``top`` layers that changed most, the findings that appeared and
-        disappeared, and, with ``limits``, the limits crossed. Fitted to ``width``."""
+        disappeared, and, with ``limits``, the limits crossed. Fitted to ``width`` (by default
+        ``COLUMNS``, else the terminal's, else 100)."""
         check = None if limits is None else self.check(limits)
-        return render_diff(self, check=check, top=top, width=width)
+        return render_diff(self, check=check, top=top,
+                           width=terminal_width() if width is None else width)
 
     def check(self, limits: Limits) -> LimitCheck:
         """This diff held to ``limits``: the breaches and the limits that could not be

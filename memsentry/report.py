@@ -32,7 +32,7 @@ class Report(ReportData):
         return cls(**{f.name: getattr(data, f.name) for f in fields(data)})
 
     def format(
-        self, *, max_depth: int | None = None, top: int | None = 30, width: int = 100,
+        self, *, max_depth: int | None = None, top: int | None = 30, width: int | None = None,
         view: str = "full",
     ) -> str:
         """The text report: a one-line headline and the findings first, then the tables that
@@ -40,7 +40,8 @@ class Report(ReportData):
 
         ``max_depth`` hides layers nested deeper (the root is depth 0), ``top`` keeps the
         layers with the largest activation footprint (in call order), ``width`` is the
-        terminal width the table is fitted to. ``None`` turns a limit off. ``view="findings"``
+        width the text is fitted to (by default ``COLUMNS``, else the terminal's, else 100).
+        ``None`` turns a limit off. ``view="findings"``
         shows the headline and the findings alone.
         """
         return TextReporter(max_depth=max_depth, top=top, width=width, view=view).text(self)

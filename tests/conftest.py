@@ -81,6 +81,13 @@ def _no_hooks_left_behind() -> Iterator[None]:
     assert after == before, "a test left global module/optimizer hooks registered"
 
 
+@pytest.fixture(autouse=True)
+def _text_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reports fitted to 100 columns, whatever terminal or ``COLUMNS`` runs the suite (the
+    text reports' default width follows them)."""
+    monkeypatch.setenv("COLUMNS", "100")
+
+
 @contextmanager
 def gc_disabled() -> Iterator[None]:
     """Run a block with the cyclic garbage collector off (after one collection), so what the

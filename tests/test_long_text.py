@@ -63,3 +63,30 @@ def test_rendering_a_long_word_takes_time_in_proportion_to_its_length() -> None:
     small, large = _seconds_to_render(2 * MB), _seconds_to_render(8 * MB)
     # Four times the length: four times the time when linear, sixteen when quadratic.
     assert large < 8 * max(small, 0.01), (small, large)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 132])
+def test_the_width_is_columns_when_no_width_is_given(
+        columns: int, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    words = " ".join(f"word{i}" for i in range(400))
+    report = _report(words, words)
+    for text in (str(report), report.format(view="findings")):
+        assert max(len(line) for line in text.splitlines()) <= columns
+        assert max(len(line) for line in _paragraphs(text)[0]) > columns - 10  # filled
+    path = tmp_path / "report.json"
+    report.to_json(path)
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert max(len(line) for line in shown.splitlines()) <= columns
+    assert main(["show", "--width", "200", str(path)]) == 0  # an explicit width wins
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) > columns
+
+
+def test_without_columns_or_a_terminal_the_width_is_100(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    words = " ".join(f"word{i}" for i in range(400))
+    text = str(_report(words))
+    assert 90 < max(len(line) for line in text.splitlines()) <= 100

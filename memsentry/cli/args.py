@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from memsentry.reporters.width import terminal_width
 from memsentry.usercode.text import printable
 
 T = TypeVar("T")
@@ -48,8 +49,9 @@ def add_table_options(parser: argparse.ArgumentParser) -> None:
                         help="layers shown in the table, largest footprint first (default 30)")
     parser.add_argument("--depth", type=at_least(0), default=None,
                         help="hide layers nested deeper than this (the root is depth 0)")
-    parser.add_argument("--width", type=at_least(1), default=100,
-                        help="terminal width the table is fitted to (default 100)")
+    parser.add_argument("--width", type=at_least(1), default=terminal_width(),
+                        help="width the text is fitted to (default: COLUMNS, else the "
+                             "terminal's width, else 100)")
     parser.add_argument("--findings-only", dest="view", action="store_const", const="findings",
                         default="full",
                         help="print the headline and the findings (and an out-of-memory "

@@ -19,6 +19,7 @@ from memsentry.paths import replace_text, unwritable
 from memsentry.reporters.diff import diff_to_json, render_diff
 from memsentry.reporters.diff_html import render_diff_html
 from memsentry.reporters.snapshot import render_snapshot_diff, snapshot_diff_to_json
+from memsentry.reporters.width import terminal_width
 from memsentry.rules.diff import check, diff
 from memsentry.snapshots import DEFAULT_LIMIT, SnapshotError, is_pickle, read_snapshot
 from memsentry.snapshots.compare import breaches, compare
@@ -53,8 +54,9 @@ def prepare_parser(parser: argparse.ArgumentParser) -> None:
                         help="write the text to FILE instead of standard output")
     parser.add_argument("--top", type=at_least(1), default=10,
                         help="layers shown, largest change first (default 10)")
-    parser.add_argument("--width", type=at_least(1), default=100,
-                        help="terminal width the text is fitted to (default 100)")
+    parser.add_argument("--width", type=at_least(1), default=terminal_width(),
+                        help="width the text is fitted to (default: COLUMNS, else the "
+                             "terminal's width, else 100)")
     parser.add_argument("--max-snapshot-size", type=argument_type(parse_size),
                         default=DEFAULT_LIMIT, metavar="SIZE",
                         help="the largest allocator snapshot read, when the two files are "

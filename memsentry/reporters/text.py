@@ -27,6 +27,7 @@ from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.processes import render_processes
 from memsentry.reporters.ranks import rank_line, render_ranks
+from memsentry.reporters.width import terminal_width
 from memsentry.reporters.wrap import fill
 from memsentry.units import format_bytes
 from memsentry.usercode.text import printable_values
@@ -219,7 +220,8 @@ def render_iterations(report: ReportData, *, rows_at_most: int = 12, width: int 
     ``width``."""
     its = report.iterations
     if not its:
-        return ("Iterations: none ended (iterations end at optimizer.step() or t.step()).")
+        return fill("Iterations: none ended (iterations end at optimizer.step() or t.step()).",
+                    width, subsequent_indent="  ")
     resident = any(it.resident is not None for it in its)
     headers = _ITER_HEADERS[:-1] + ("resident",) * resident + _ITER_HEADERS[-1:]
     rows = _iteration_rows(report, _shown_iterations(its, rows_at_most), resident,
@@ -332,13 +334,15 @@ def render_text(report: ReportData, *, max_depth: int | None = None, top: int | 
 class TextReporter:
     """The report as text for a terminal: ``max_depth`` hides deeper layers, ``top`` keeps the
     layers with the largest footprint, ``width`` is the width the tables are fitted to,
-    ``view`` is ``"full"`` or ``"findings"`` (the headline and the findings alone)."""
+    ``view`` is ``"full"`` or ``"findings"`` (the headline and the findings alone). The width
+    is by default ``COLUMNS``, else the terminal's, else 100."""
 
     name = "text"
 
     def __init__(self, *, max_depth: int | None = None, top: int | None = 30,
-                 width: int = 100, view: str = "full") -> None:
-        self.max_depth, self.top, self.width = max_depth, top, width
+                 width: int | None = None, view: str = "full") -> None:
+        self.max_depth, self.top = max_depth, top
+        self.width = terminal_width() if width is None else width
         self.view = _checked_view(view)  # refused when made, not when the report is printed
 
     def text(self, report: ReportData) -> str:
