@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 import memsentry
 from memsentry import Boundary, IterationStats, Report
+from memsentry.model import Breakdown
 from memsentry.cli import main
 from memsentry.reporters import plotly as plotly_source
 from memsentry.reporters.charts import thin, timeline_figure
@@ -129,6 +131,37 @@ def test_a_short_run_has_a_tick_at_each_whole_iteration_only() -> None:
                   iterations=tuple(_iteration(i, mib, 9 * mib) for i in range(200)))
     figure = timeline_figure(long)
     assert figure is not None and "dtick" not in figure["layout"]["xaxis"]  # plotly's choice
+
+
+def test_the_breakdown_is_stacked_only_where_a_peak_was_broken_down() -> None:
+    """Under a cost budget only some iterations break their peak down: the stacked parts
+    join those, and never fall to zero in between (plotly stacks a gap as zero)."""
+    mib = 2**20
+    parts = Breakdown.of(8 * mib, parameters=2 * mib, gradients=2 * mib, optimizer_state=mib,
+                         activations=2 * mib)
+    iterations = tuple(replace(_iteration(i, 4 * mib, 8 * mib),
+                               parts=parts if i % 5 == 0 else None) for i in range(20))
+    report = Report(device="cpu", backend="cpu-storages", baseline=0, peak=8 * mib,
+                    iterations=iterations)
+    figure = timeline_figure(report)
+    assert figure is not None
+    stacked = [t for t in figure["data"] if t.get("stackgroup") == "peak"]
+    assert stacked and all(t["x"] == [0, 5, 10, 15] for t in stacked)
+    assert all(None not in t["y"] and 0 not in t["y"] for t in stacked if t["name"] != "other")
+    allocated = next(t for t in figure["data"] if t["name"] == "allocated")
+    assert allocated["x"] == list(range(20))
+
+
+def test_the_page_title_is_the_verdict(leaky: Report) -> None:
+    page = leaky.to_html()
+    title = re.search(r"<title>(.*?)</title>", page)
+    assert title is not None
+    assert re.fullmatch(r"memsentry: 1 leak: `kept_losses` at \S*test_html\.py:\d+ "
+                        r"\(tensor-accumulation\) \(cpu\)", title.group(1))
+    assert title.group(1).endswith("(cpu)")
+    assert f"<h1>{title.group(1)}</h1>" in page
+    clean = Report(device="cpu", backend="cpu-storages", baseline=0)
+    assert "<title>memsentry: no finding (cpu)</title>" in clean.to_html()
 
 
 def test_notebook_display_is_compact_and_sends_plotly_once(leaky: Report,

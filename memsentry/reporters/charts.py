@@ -98,11 +98,14 @@ def _line(name: str, xs: list[int], ys: list[float | None], text: list[str], uni
 
 
 def _stacked(shown: list[IterationStats], scale: int, unit: str) -> list[dict[str, Any]]:
-    """One filled trace per category of the breakdown at each iteration's peak, stacked."""
-    xs = [it.index for it in shown]
+    """One filled trace per category of the breakdown at each iteration's peak, stacked: only
+    the iterations whose peak was broken down (plotly stacks a gap as zero, so an iteration
+    without one would draw a fall to nothing)."""
+    broken_down = [(it.index, it.parts) for it in shown if it.parts is not None]
+    xs = [index for index, _parts in broken_down]
     traces = []
     for name in CATEGORIES:
-        ys = [None if it.parts is None else it.parts.part(name) / scale for it in shown]
+        ys = [parts.part(name) / scale for _index, parts in broken_down]
         traces.append({
             "type": "scatter", "mode": "lines", "name": _LABELS[name], "x": xs, "y": ys,
             "stackgroup": "peak", "legendgroup": "breakdown", "xaxis": "x", "yaxis": "y2",

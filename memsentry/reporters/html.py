@@ -19,6 +19,7 @@ from memsentry.model import Finding, LayerStats, ReportData
 from memsentry.reporters.breakdown import render_breakdown
 from memsentry.reporters.charts import AT_MOST, ranks_figure, timeline_figure
 from memsentry.reporters.columns import LAYER_COLUMNS
+from memsentry.reporters.headline import headline
 from memsentry.reporters.oom import render_oom
 from memsentry.reporters.plotly import plotly_js
 from memsentry.reporters.ranks import rank_line, render_ranks
@@ -197,14 +198,20 @@ def _folded(title: str, body: str, *, open_: bool) -> str:
     return (f"<details{' open' if open_ else ''}><summary>{title}</summary>{body}</details>")
 
 
+def page_title(report: ReportData) -> str:
+    """The verdict first, as the text report's headline says it, then the device (and the
+    ranks): what a browser's tab and the page's heading show."""
+    where = rank_line(report)
+    return f"{headline(report)} ({report.device}" + (f", {where}" if where else "") + ")"
+
+
 def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool = False,
                     with_plotly: bool = True, at_most: int = AT_MOST) -> str:
     """The report as an HTML fragment (a ``div`` and its scripts) under the element id
     ``dom``; ``with_plotly`` embeds plotly.js (leave it out only where the page has it)."""
     figures = {"timeline": timeline_figure(report, at_most=at_most),
                "ranks": ranks_figure(report, at_most=at_most)}
-    where = rank_line(report)
-    title = f"memsentry: {report.device}" + (f", {where}" if where else "")
+    title = page_title(report)
     oom = None if report.oom is None else render_oom(report.oom, width=100)
     timeline = _chart(dom, "timeline", "Timeline", figures["timeline"] is not None) or (
         "<section><h2>Timeline</h2><p class='none'>No iteration ended (iterations end at "
@@ -235,8 +242,7 @@ def render_fragment(report: ReportData, *, dom: str = "memsentry", compact: bool
 
 def render_html(report: ReportData, *, at_most: int = AT_MOST) -> str:
     """The whole page, one self-contained document."""
-    where = rank_line(report)
-    title = f"memsentry report: {report.device}" + (f", {where}" if where else "")
+    title = page_title(report)
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
             f"<title>{html.escape(encodable(title))}</title></head><body>"
