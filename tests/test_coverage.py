@@ -5,6 +5,7 @@ modules outside the window, and the report saying so."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -190,3 +191,39 @@ def test_the_note_names_no_iteration_that_a_later_optimizer_step_merged_away() -
     quoted = [int(word.rstrip(",.")) for word in note.split("iteration ")[1:]
               for word in [word.split()[0]]]
     assert quoted and all(index in indices for index in quoted), (note, sorted(indices))
+
+
+def test_what_the_closing_read_costs_is_not_taken_from_the_loops_time() -> None:
+    """Reading the parts as an iteration closes comes after the iteration's seconds end: the
+    loop's own time is the iteration's seconds less what memsentry did inside them, never a
+    negative floored to nothing (the note once said "7700169700% of that iteration's 0.0 ms")."""
+    from memsentry.record.budget import PARTS
+    from memsentry.record.coverage import Coverage
+
+    clock = FakeClock()
+    coverage = Coverage(0.05, clock=clock)
+    coverage.current = replace(coverage.current, layers=4)
+    started = clock()
+    clock.advance(0.002)  # hooks inside the iteration: 2 ms
+    coverage.count(started)
+    started = clock()
+    clock.advance(0.077)  # the parts read as it closed: 77 ms, after its 10 ms ended
+    coverage.count_closing(started, PARTS)
+    coverage.end_iteration(50, 0.010, 4)
+    assert coverage.busiest is not None
+    own, loop = coverage.busiest
+    assert own == pytest.approx(0.079)
+    assert loop == pytest.approx(0.008)  # 10 ms less the 2 ms of hooks inside them
+    assert coverage.after == 0.0 and coverage.own == 0.0
+
+
+@pytest.mark.parametrize(("own", "loop", "said"), [
+    (0.077, 0.008, "962% of that iteration's 8.0 ms of the loop's own work"),
+    (0.077, 1e-9, "about all of that iteration's time"),
+])
+def test_the_note_gives_a_share_only_of_time_the_loop_had(own: float, loop: float,
+                                                          said: str) -> None:
+    from memsentry.record.coverage import _busiest_words
+
+    words = _busiest_words(own, loop, since=98, share="5%")
+    assert words.startswith("Measuring every layer call took 77.0 ms in iteration 97, " + said)

@@ -179,7 +179,7 @@ class Boundaries:
         assert sampler.backend is not None
         if self._parts.due:
             self._parts.read_all()  # the step may have made optimizer state
-            self._coverage.count(now, PARTS)
+            self._coverage.count_closing(now, PARTS)
         # The peak counter ran over the boundaries passed with a count: not one iteration's.
         exact = sampler.peaks_exact() and not self._passed
         self.skip = self._passed = 0  # a stronger signal, or the end, within passed ones

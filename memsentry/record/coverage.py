@@ -44,6 +44,7 @@ class Coverage:
         self.clock = clock
         self.current = Window()
         self.own = 0.0
+        self.after = 0.0  # of ``own``: spent at the closing boundary, after the iteration's end
         self.calls = 0
         self.since: int | None = None  # the first iteration measured in part
         self.busiest: tuple[float, float] | None = None  # (own cost, loop time) that shrank it
@@ -96,6 +97,14 @@ class Coverage:
         self.own += spent
         self.budget.charge(part, spent, 0)
 
+    def count_closing(self, started: float, part: str) -> None:
+        """Work that began at ``started`` as the iteration closed (reading the parts) was
+        charged to it: it comes after the iteration's end, so the iteration's seconds do not
+        hold it, and the loop's own time is not what is left of them."""
+        before = self.own
+        self.count(started, part)
+        self.after += self.own - before
+
     def counted(self, started: float) -> None:
         """A hook that began at ``started`` only counted a call (nothing measured)."""
         self.budget.charge(HOOKS, self.clock() - started, 0)
@@ -117,8 +126,11 @@ class Coverage:
         was = self.current
         if self.calls and not was.full and not self.budget.light:
             self.thinned += 1
+        # The iteration's seconds end where its closing began: what memsentry did after
+        # that, counted in ``own``, is added, so that the loop's time is what remains.
+        seconds += self.after
         ended = Ended(index=index, seconds=seconds, own=self.own, light=self.budget.light)
-        self.own, self.calls = 0.0, 0
+        self.own, self.after, self.calls = 0.0, 0.0, 0
         self.current = next_window(was, layers=layers, ended=ended, share=self.overhead,
                                    dispatched=dispatched, tuning=self.budget.tuning)
         if self.current.full:
@@ -140,13 +152,7 @@ def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
     detail = (f" The least measured layer, `{fewest.name}`, was measured in {fewest.measured} "
               "calls." if fewest is not None else "")
     if coverage.busiest is not None:
-        own, loop = coverage.busiest
-        why = (
-            f"Measuring every layer call took {own * 1e3:.1f} ms in iteration "
-            f"{coverage.since - 1}, {own / loop:.0%} of that iteration's {loop * 1e3:.1f} ms of "
-            f"the loop's own work (the limit is {share}, track(overhead=...); the iterations "
-            f"table's durations include memsentry's work). From iteration {coverage.since} "
-        )
+        why = _busiest_words(*coverage.busiest, since=coverage.since, share=share)
     else:  # the iteration that narrowed it was merged into a later one
         why = (
             f"Measuring every layer call took more than {share} of the loop's own work "
@@ -158,3 +164,15 @@ def coverage_notes(coverage: Coverage, registry: LayerRegistry) -> list[str]:
         "each layer's figures come from some of its calls (the iterations table still has "
         f"every boundary).{detail} track(overhead=None) measures every call."
     ]
+
+
+def _busiest_words(own: float, loop: float, *, since: int, share: str) -> str:
+    """What measuring every call cost in the iteration that narrowed it, beside the loop's own
+    work in it; where clocks left the loop no time, that is said instead of a share."""
+    took = f"Measuring every layer call took {own * 1e3:.1f} ms in iteration {since - 1}, "
+    if loop < 1e-6:
+        took += "about all of that iteration's time"
+    else:
+        took += f"{own / loop:.0%} of that iteration's {loop * 1e3:.1f} ms of the loop's own work"
+    return (f"{took} (the limit is {share}, track(overhead=...); the iterations table's "
+            f"durations include memsentry's work). From iteration {since} ")
