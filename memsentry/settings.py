@@ -202,8 +202,9 @@ SETTINGS: tuple[Setting, ...] = (
         "Search for who holds tensors (the censuses) at iteration boundaries: the findings "
         "name holders and lines only with it.")),
     Setting("holder_budget", "number", 0.5, low=0, above=True, help=(
-        "The seconds one holder search may take; a search that runs out says so in the "
-        "report's notes.")),
+        "The seconds of CPU time (the searching thread's own, so a busy machine slows a "
+        "search without cutting it short) one holder search may take; a search that runs "
+        "out says so in the report's notes.")),
     Setting("overhead", "number", OVERHEAD, low=0, above=True, high=10, optional=True, help=(
         "The share of the loop's own time everything memsentry does may take (hooks, "
         "readings, censuses, the rules run while the loop runs): 0.04 by default, 0.01 under "

@@ -37,7 +37,9 @@ class CensusSchedule:
         self._owner = owner
         self.censuses: list[Census] = []
         self.errors: list[str] = []
-        self.budget = budget  # the seconds one census may take
+        self.budget = budget  # the CPU seconds one census may take (track(holder_budget=))
+        self._next_budget = budget  # the next census's: wider after one was cut short
+        self._budgets: dict[int, float] = {}  # the budget each census had, by iteration
         self.ledger = ledger if ledger is not None else Budget(None)
         self.clock = self.ledger.clock
         self.wanted = False  # a census is due and waits for the ledger to afford it
@@ -107,7 +109,7 @@ class CensusSchedule:
                     static=self._registry.static_storages,
                     own_hooks=own_hooks,
                     skip=skip,
-                    budget=self.budget,
+                    budget=self._next_budget,
                     garbage=garbage,
                     named=named,
                     since=self.censuses[-1].graph_newest if self.censuses else None,
@@ -121,6 +123,9 @@ class CensusSchedule:
         finally:
             self._collecting = False
         self.censuses.append(census)
+        self._budgets[iteration] = self._next_budget
+        self._next_budget = widened(self._next_budget, self.budget, cut=not (
+            census.complete and census.graphs_complete))
         self.lengths.follow(self.censuses, model)
         # What memory and hooks were as it began (its hooks are those it counted).
         self._basis = self._standing(iteration, collected, heap_collected,
@@ -279,8 +284,9 @@ class CensusSchedule:
         """Searches that stopped at their budget, and those a search before stood for."""
         return self._carried_notes() + [
             f"The holder search at iteration {c.iteration} stopped at its "
-            f"{self.budget:g} s budget after {c.objects:,} objects; holders beyond "
-            "them were not examined (raise track(holder_budget=...))."
+            f"{self._budgets.get(c.iteration, self.budget):g} s budget (CPU time) after "
+            f"{c.objects:,} objects; holders beyond them were not examined (raise "
+            "track(holder_budget=...))."
             for c in self.censuses if not c.complete
         ] + self._graph_notes()
 
@@ -303,15 +309,30 @@ class CensusSchedule:
         ]
 
     def _graph_notes(self) -> list[str]:
-        cut = [str(c.iteration) for c in self.censuses if c.complete and not c.graphs_complete]
+        cut = [c for c in self.censuses if c.complete and not c.graphs_complete]
         if not cut:
             return []
+        widest = max(self._budgets.get(c.iteration, self.budget) for c in cut)
         return [
-            f"The autograd graphs behind the holders at iteration {', '.join(cut)} were too "
-            f"large to walk in {self.budget * GRAPH_SHARE:g} s: their node counts are lower "
+            f"The autograd graphs behind the holders at iteration "
+            f"{', '.join(str(c.iteration) for c in cut)} were too large to walk within "
+            f"the budget (at most {widest * GRAPH_SHARE:g} s of CPU time): their node counts "
+            "are lower "
             "bounds, so graph growth was not judged there; the holders' own figures are whole "
             "(raise track(holder_budget=...))."
         ]
+
+
+#: A holder search cut short gives the next one twice its budget, up to this many times
+#: ``holder_budget``: what the first could not reach, a later one reaches.
+WIDEST = 8
+
+
+def widened(budget: float, base: float, *, cut: bool) -> float:
+    """The next holder search's budget after one with ``budget`` (``base``: holder_budget):
+    doubled when that one was cut short, up to :data:`WIDEST` times ``base``; else kept (a
+    narrower one would be cut again)."""
+    return min(budget * 2, base * WIDEST) if cut else budget
 
 
 def still_rising(censuses: Sequence[Census]) -> bool:
