@@ -83,7 +83,10 @@ def test_detached_tensors_appended_every_step_are_a_leak_with_the_cpu_copy_fix()
     finding = _only(_found(feats))
     assert finding.rate == 32 * KiB
     assert "carry an autograd graph" not in finding.message
-    assert finding.fix.startswith("store Python numbers (`.item()`, `.tolist()`) or CPU copies")
+    assert finding.fix.startswith("keep less in `feats`: Python numbers (`.item()`, "
+                                  "`.tolist()`) or a running aggregate")
+    assert "`del feats[:-k]`" in finding.fix
+    assert "(`.cpu()`) free a GPU's memory, not the host's" in finding.fix
 
 
 def test_scalar_losses_kept_with_their_graph_get_the_item_fix() -> None:

@@ -201,17 +201,29 @@ def accumulation_fix(last: HolderStats, what: str, *, default: bool) -> str:
             "every step); clear the container each epoch or bound it with "
             "`collections.deque(maxlen=k)`"
         )
+    base = base_name(last)
     if last.graph_tensors:
         return (
             "store `.detach()`ed tensors (or `.item()` for scalars), and run evaluation "
-            "under `torch.no_grad()`; clear the container each epoch or bound it with "
-            "`collections.deque(maxlen=k)`"
+            f"under `torch.no_grad()`: that frees their graphs, but `{base}` still gains a "
+            f"tensor each time, so also {_bound_words(last, base)}"
         )
     return (
-        "store Python numbers (`.item()`, `.tolist()`) or CPU copies (`.cpu()`), aggregate "
-        "as you go, and clear the container each epoch or bound it with "
-        "`collections.deque(maxlen=k)`"
+        f"keep less in `{base}`: Python numbers (`.item()`, `.tolist()`) or a running "
+        f"aggregate (a sum, a mean) instead of tensors; and {_bound_words(last, base)}. "
+        "Copies moved to the CPU (`.cpu()`) free a GPU's memory, not the host's"
     )
+
+
+def _bound_words(last: HolderStats, base: str) -> str:
+    """How to bound a growing container, in words that work on its kind: a list keeps its
+    slicing when trimmed in place; a deque cannot be sliced."""
+    if last.container in (None, "list"):
+        return (f"clear it each epoch or keep the last k (`del {base}[:-k]` after each "
+                "append; a `collections.deque(maxlen=k)` bounds it too, but cannot be "
+                f"sliced: `{base}[-1:]` becomes `list({base})[-1:]`)")
+    return ("clear it each epoch or keep the last k (a `collections.deque(maxlen=k)`, or "
+            "drop the oldest entry past k)")
 
 
 def _place_fix(last: HolderStats) -> str | None:
