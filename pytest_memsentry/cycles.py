@@ -28,22 +28,31 @@ def kept_by_autograd(tensors: list[LeakedTensor], unreached: list[int],
     ``grad_fn``, no Python referrer, and its own graph saved a tensor later modified in place;
     a tensor merely saved by a graph that something else keeps stays "not reached"."""
     wanted = {pointers[i]: i for i in unreached}
-    matches, leaves = _tensors_of(wanted)
-    graphed = [tensor for tensor in matches if tensor.grad_fn is not None]
-    candidates = graphed + leaves
-    alone = _unreferred(candidates, matches, leaves, graphed, candidates)
-    cycles = {storage_pointer(tensor) for tensor in graphed
-              if id(tensor) in alone and _modified_in_place(tensor)}
-    graded = _grad_cycles([leaf for leaf in leaves if id(leaf) in alone]) & wanted.keys()
-    for found in (candidates, graphed, matches):
-        found.clear()
-    leaves.clear()
+    cycles, graded = _cycle_storages(wanted)
     out = list(tensors)
     for key in graded - cycles:
         out[wanted[key]] = replace(out[wanted[key]], holder=GRAD_CYCLE)
     for key in cycles:
         out[wanted[key]] = replace(out[wanted[key]], holder=AUTOGRAD_CYCLE, grad_fn=True)
     return out
+
+
+def _cycle_storages(wanted: Mapping[int, int]) -> tuple[set[int], set[int]]:
+    """Of the storages ``wanted``, those a tensor's cycle with its own graph keeps, and those
+    the cycle of a leaf with its ``.grad``'s graph keeps. The tensors met are let go before
+    this returns."""
+    matches, leaves = _tensors_of(wanted)
+    graphed = [tensor for tensor in matches if tensor.grad_fn is not None]
+    candidates = graphed + leaves
+    try:
+        alone = _unreferred(candidates, matches, leaves, graphed, candidates)
+        cycles = {storage_pointer(tensor) for tensor in graphed
+                  if id(tensor) in alone and _modified_in_place(tensor)}
+        graded = _grad_cycles([leaf for leaf in leaves if id(leaf) in alone]) & wanted.keys()
+    finally:
+        for found in (candidates, graphed, matches, leaves):
+            found.clear()
+    return cycles, graded
 
 
 def _tensors_of(storages: Mapping[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
