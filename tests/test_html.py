@@ -14,8 +14,8 @@ from torch import nn
 
 import memsentry
 from memsentry import Boundary, IterationStats, Report
-from memsentry.model import Breakdown
 from memsentry.cli import main
+from memsentry.model import Breakdown
 from memsentry.reporters import plotly as plotly_source
 from memsentry.reporters.charts import thin, timeline_figure
 from memsentry.reporters.plotly import ChartsUnavailable
