@@ -255,7 +255,7 @@ class Manager:
         warm_up()
         if self.cuda is None:
             self.cuda = TorchCuda()
-        return Window(self.cuda, self.fixture_growth)
+        return Window(self.cuda, self.fixture_growth, collector=self.collector)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, Any, None]:

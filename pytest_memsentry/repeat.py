@@ -78,7 +78,8 @@ def _window(plugin: Measuring, *, holders: bool, heap: bool) -> Window | HeapChe
     warm_up()
     # Only the run whose figures the verdict shows needs each storage's line: without
     # it an op costs about a third less.
-    return Window(plugin.cuda or TorchCuda(), plugin.fixture_growth, sites=holders)
+    return Window(plugin.cuda or TorchCuda(), plugin.fixture_growth, sites=holders,
+                  collector=plugin.collector)
 
 
 #: The hooks a repeat must not call: what reports a result (a subtest's too: pytest's

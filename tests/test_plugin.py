@@ -1201,3 +1201,58 @@ def test_compiled_and_traced_tests_pass_under_memsentry_in_any_order(pytester):
     # drop those modules, so that a later import in this process registers them twice.
     result = pytester.runpytest_subprocess("--memsentry", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
+
+
+def test_counted_tests_collect_only_their_own_garbage_and_give_every_object_back(pytester):
+    """Under the storages check the objects alive before a test are set aside while it runs
+    (the collection after it walks only what it made), as under the heap check: the test's own
+    cycles are collected, its leak is still found, and nothing stays set aside after it."""
+    pytester.makepyfile(test_frozen="""
+        import gc
+        import weakref
+
+        import torch
+
+        KEPT = []
+
+
+        class Node:
+            def __init__(self):
+                self.me = self
+                self.tensor = torch.ones(4096)
+
+
+        def test_own_cycle_is_collected():
+            ref = weakref.ref(Node())
+            gc.collect()
+            assert ref() is None
+
+
+        def test_keeps_a_tensor():
+            KEPT.append(torch.ones(8192))
+
+
+        def test_after():
+            pass
+        """)
+    pytester.makeconftest("""
+        import gc
+        from pathlib import Path
+
+        SEEN = []
+
+
+        def pytest_runtest_call(item):
+            SEEN.append(f"{item.name}:{gc.get_freeze_count() > 0}")
+
+
+        def pytest_sessionfinish(session):
+            SEEN.append(f"end:{gc.get_freeze_count()}")
+            Path("frozen.txt").write_text(" ".join(SEEN))
+        """)
+    result = pytester.runpytest("--memsentry", "-v")
+    assert statuses(result) == {"test_own_cycle_is_collected": "PASSED",
+                                "test_keeps_a_tensor": "LEAKED", "test_after": "PASSED"}
+    seen = (pytester.path / "frozen.txt").read_text().split()
+    assert "test_own_cycle_is_collected:True" in seen  # set aside while the test ran
+    assert seen[-1] == "end:0"  # and given back
