@@ -182,7 +182,8 @@ class Window:
     :meth:`fixture_done` around every wider-scoped fixture set up in between.
 
     ``fixture_growth`` is the session's record of what each wider-scoped fixture added on each
-    CUDA device when it was set up (kept across tests by the plugin). ``collector`` sets the
+    CUDA device when it was set up (kept across tests by the plugin). ``collector`` (the
+    plugin's, shared by every test) sets the
     objects alive before the test aside while it runs, as for the heap check
     (:class:`pytest_memsentry.garbage.Collector`), so that the collection after its teardown
     walks only what the test made: a full one took about a second a test in a process with
@@ -190,9 +191,9 @@ class Window:
     """
 
     def __init__(self, cuda: CudaApi, fixture_growth: dict[Any, dict[int, int]], *,
-                 sites: bool = True, collector: Collector | None = None) -> None:
+                 collector: Collector, sites: bool = True) -> None:
         self._sites = sites  # the line of each storage (for the table of a failed test)
-        self._collector = collector if collector is not None else Collector()
+        self._collector = collector
         self._cuda = cuda
         self._fixture_growth = fixture_growth
         self._counter: StorageCounter | None = None
@@ -255,7 +256,7 @@ class Window:
         live = {pointer: LiveStorage(CPU, size, sites.get(pointer))
                 for pointer, size in list(counter.live.items())}
         live.update((pointer, LiveStorage(*entry))
-                    for pointer, entry in (counter.device_live or {}).items())
+                    for pointer, entry in counter.device_sites.items())
         return live
 
     def _live_pointers(self) -> set[int]:

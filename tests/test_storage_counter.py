@@ -85,3 +85,24 @@ def test_a_tensor_only_the_searchs_own_lists_refer_to_is_unreferred() -> None:
     alone = _unreferred(mine, mine)
     assert alone == {id(loose)}  # ``held`` is in a dict; ``loose`` only in ``mine`` here
     assert holder["x"] is held
+
+
+def _made_on_a_device(counter: StorageCounter) -> torch.Tensor:
+    made = torch.ones(16)
+    counter._see_device(made, set())  # as _count does for a result not on the CPU
+    return made
+
+
+def test_a_storage_on_another_device_names_its_line_when_listed() -> None:
+    # No GPU here: a CPU result is handed to the branch that CUDA results take (the dispatch
+    # sends it every result whose `is_cpu` is False), to check what that branch keeps.
+    counter = StorageCounter(sites=True, other_devices=True)
+    made = _made_on_a_device(counter)
+    ((device, size, where),) = counter.device_sites.values()
+    assert (device, size) == ("cpu", 64)
+    assert where is not None and where.function == "_made_on_a_device"
+    _source, start = inspect.getsourcelines(_made_on_a_device)
+    assert where.line == start + 2
+    del made
+    gc.collect()
+    assert counter.device_sites == {}  # freed: off the list

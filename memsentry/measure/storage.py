@@ -24,7 +24,7 @@ from memsentry.measure.base import Passive
 from memsentry.measure.cpu import physical_memory
 from memsentry.measure.history import History
 from memsentry.model import Measured, PeakMode
-from memsentry.usercode.frames import site_location, user_line, user_site
+from memsentry.usercode.frames import site_location, user_line
 from memsentry.usercode.location import Location
 
 
@@ -162,7 +162,8 @@ class StorageCounter(_CountingMode):
     line that created each one (``None`` when no user code was on the stack), for leak
     reports. With ``other_devices``,
     ``device_live`` also maps the storages made on other devices (CUDA) that are still alive
-    to (device, bytes, line); they stay out of the CPU figures. With a ``history`` (set at
+    to (device, bytes, the user's code and line number); :attr:`device_sites` gives them with
+    the line as a location. They stay out of the CPU figures. With a ``history`` (set at
     any time, ``None`` to stop), every CPU storage made and freed is recorded into it."""
 
     def __init__(self, *, sites: bool = False, other_devices: bool = False) -> None:
@@ -173,7 +174,7 @@ class StorageCounter(_CountingMode):
         self._lines: dict[int, tuple[types.CodeType, int] | None] | None = (
             {} if sites else None)
         self.history: History | None = None
-        self.device_live: dict[int, tuple[str, int, Location | None]] | None = (
+        self.device_live: dict[int, tuple[str, int, tuple[types.CodeType, int] | None]] | None = (
             {} if other_devices else None
         )
         self._current = 0
@@ -202,6 +203,14 @@ class StorageCounter(_CountingMode):
             return None
         self.settle()
         return {key: site_location(line) for key, line in self._lines.items()}
+
+    @property
+    def device_sites(self) -> dict[int, tuple[str, int, Location | None]]:
+        """The storages on other devices still alive (with ``other_devices``): pointer ->
+        (device, bytes, the user's line that made it); empty without."""
+        self.settle()
+        return {key: (device, size, site_location(line))
+                for key, (device, size, line) in (self.device_live or {}).items()}
 
     @property
     def live(self) -> dict[int, int]:
@@ -282,7 +291,7 @@ class StorageCounter(_CountingMode):
         if new is None:
             return
         key, size, storage = new
-        self.device_live[key] = (str(tensor.device), size, user_site())
+        self.device_live[key] = (str(tensor.device), size, user_line(sys._getframe(1)))
         self._watch(storage, key, True)
 
     def _free(self, key: int) -> None:
