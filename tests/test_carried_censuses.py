@@ -186,7 +186,7 @@ def _schedule(ledger: Budget) -> tuple[CensusSchedule, _Heap]:
 
 def _due(schedule: CensusSchedule, heap: _Heap, iteration: int, allocated: int) -> None:
     heap.bytes = allocated  # what the heap holds as the census is due to begin
-    schedule.plan(iteration, due=True)
+    schedule.plan(iteration, due=True, scheduled=True)
     schedule.take_pending(model=None, own_hooks=set(), skip=set())
 
 

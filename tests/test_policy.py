@@ -20,6 +20,7 @@ from memsentry.record.policy import (
     Kind,
     Signal,
     Window,
+    always_taken_through,
     census_due,
     census_step,
     next_census,
@@ -241,13 +242,28 @@ def test_censuses_are_due_at_two_three_four_then_at_doubling_gaps() -> None:
 
 def test_the_first_seven_censuses_are_taken_when_due_whatever_the_account_holds() -> None:
     broke = Account(share=0.01, loop=0.0, spent=1.0)
-    state = census_step(CensusState(taken=6), broke, index=34, due=True)
+    assert always_taken_through() == 34
+    state = census_step(CensusState(), broke, index=34, due=True, scheduled=True)
     assert (state.pending, state.wanted, state.deferred) == (34, False, 0)
+
+
+def test_a_census_growth_asks_for_takes_none_of_the_first_seven() -> None:
+    # Under watch() growth asked for one at iteration 8: it waits for the account, and the
+    # schedule's census of iteration 34 is still taken whatever the account holds (it was
+    # left to the account once eight had been taken, and a short run's verdict lacked it).
+    broke = Account(share=0.01, loop=1.0, spent=0.5)
+    asked = census_step(CensusState(last_cost=0.03), broke, index=8, due=True)
+    assert (asked.pending, asked.wanted, asked.deferred) == (None, True, 1)
+    scheduled = census_step(CensusState(last_cost=0.03), broke, index=34, due=True,
+                            scheduled=True)
+    assert (scheduled.pending, scheduled.wanted) == (34, False)
+    later = census_step(CensusState(last_cost=0.03), broke, index=66, due=True, scheduled=True)
+    assert (later.pending, later.wanted) == (None, True)
 
 
 def test_later_censuses_wait_for_the_account_with_the_first_claim_on_it() -> None:
     broke = Account(share=0.01, loop=1.0, spent=0.01)
-    state = census_step(CensusState(taken=7, last_cost=0.03), broke, index=66, due=True)
+    state = census_step(CensusState(last_cost=0.03), broke, index=66, due=True, scheduled=True)
     assert (state.pending, state.wanted, state.deferred) == (None, True, 1)
     assert state.reserved == pytest.approx(0.03)
     # Still waiting at the next boundary: counted once.

@@ -314,7 +314,9 @@ class Boundaries:
         if self._holders:
             self._censuses.read_lengths(index)
         if self._holders and boundary != Boundary.EXIT:
-            self._censuses.plan(index, due=self._census_wanted(index, iterations))
+            scheduled = census_in(index, iterations, self._budget.tuning)
+            self._censuses.plan(index, due=self._census_wanted(scheduled),
+                                scheduled=scheduled)
         if self.mark is not None and boundary != Boundary.EXIT:
             self.mark(index)
         remember_store()  # a script may destroy its process group before the block ends
@@ -339,11 +341,10 @@ class Boundaries:
         self._clock.advance(now)
         return account
 
-    def _census_wanted(self, index: int, iterations: int) -> bool:
-        """Whether a census is due at the boundary that closes ``index`` (with the
-        ``iterations`` passed before it): the schedule has one in them, or under ``watch()``
-        memory left at boundaries climbs."""
-        due = census_in(index, iterations, self._budget.tuning)
+    def _census_wanted(self, scheduled: bool) -> bool:
+        """Whether a census is due at the boundary being closed: the schedule has
+        one (``scheduled``), or under ``watch()`` memory left at boundaries climbs."""
+        due = scheduled
         growth = self.growth
         if growth is not None:
             growth.add(self._sampler.last)

@@ -50,9 +50,11 @@ class Tuning:
     - ``length_share``: the share of the budget that reading the lengths of the containers
       found growing takes at boundaries passed with a count (each reading: microseconds).
     - ``first_census``: the iteration of the first census (after the warm-up the rules skip).
-    - ``always_taken``: censuses taken when due whatever the account holds (iterations 2, 3,
-      4, 6, 10, 18 and 34): they decide a short run's trends, and a rule that saw fewer would
-      take a list bounded by hand for a leak (three points rise while it fills).
+    - ``always_taken``: the schedule's first censuses, taken when due whatever the account
+      holds (iterations 2, 3, 4, 6, 10, 18 and 34): they decide a short run's trends, and a
+      rule that saw fewer would take a list bounded by hand for a leak (three points rise
+      while it fills). They are counted by their place in the schedule: a census that growth
+      asked for in between (``watch()``) is paid from the account and takes none of them.
     - ``still_bytes``: how far glibc's in-use heap count may move between two censuses of
       a loop that keeps nothing and still count as standing: measured here, a training step
       of a small model moves it by 0 to 96 bytes from one iteration to the next, while one
@@ -377,14 +379,17 @@ def next_census(index: int, tuning: Tuning = DEFAULT) -> int:
 @dataclass(frozen=True)
 class CensusState:
     """The censuses' side of the plan: ``wanted`` one is due and waits for the account;
-    ``pending`` the iteration of the one to take as the next begins; ``taken`` so far;
-    ``deferred`` how many waited; ``last_cost`` what the last one took."""
+    ``pending`` the iteration of the one to take as the next begins; ``free`` when the one
+    wanted is taken whatever the account holds; ``deferred`` how many waited; ``last_cost``
+    what the last one took; ``settles`` the iteration from which a census would confirm a
+    leak found but not yet said while the run lives (:data:`memsentry.alarm.CONFIRM`)."""
 
     wanted: bool = False
     pending: int | None = None
-    taken: int = 0
+    free: bool = False
     deferred: int = 0
     last_cost: float = DEFAULT.census_guess
+    settles: int | None = None
 
     @property
     def reserved(self) -> float:
@@ -392,23 +397,46 @@ class CensusState:
         return self.last_cost if self.wanted else 0.0
 
 
-def affordable(state: CensusState, account: Account, tuning: Tuning = DEFAULT) -> bool:
-    """The first ``always_taken`` censuses are taken when due; later ones when the account
-    holds what the last one cost."""
-    return state.taken < tuning.always_taken or account.held >= state.last_cost
+def always_taken_through(tuning: Tuning = DEFAULT) -> int:
+    """The iteration of the last census the schedule takes whatever the account holds (34)."""
+    at = tuning.first_census - 1
+    for _ in range(tuning.always_taken):
+        at = next_census(at, tuning)
+    return at
+
+
+def affordable(state: CensusState, account: Account) -> bool:
+    """A free census is taken when due; others when the account holds what the last one
+    cost."""
+    return state.free or account.held >= state.last_cost
+
+
+def free_census(state: CensusState, index: int, *, scheduled: bool,
+                tuning: Tuning = DEFAULT) -> bool:
+    """Whether the census wanted at ``index`` is taken whatever the account holds: the
+    schedule's first ``always_taken``, and the first from ``settles`` on, which would
+    confirm a leak found but not yet said. Like the closing census, a verdict said while
+    the run lives rests on it: a budget drained by the first seven would leave a leak that
+    grows all run unsaid until the end. Its cost is charged to the account, which later
+    censuses wait for; one per leak, as a leak said is not said again."""
+    if scheduled and index <= always_taken_through(tuning):
+        return True
+    return state.settles is not None and index >= state.settles
 
 
 def census_step(state: CensusState, account: Account, *, index: int, due: bool,
-                tuning: Tuning = DEFAULT) -> CensusState:
-    """At the boundary that closed iteration ``index``: a census is wanted when ``due``; it
-    is pending (taken as the next iteration begins) when the account can pay for it, else it
-    waits, with the first claim on the account, for a boundary that can."""
+                scheduled: bool = False, tuning: Tuning = DEFAULT) -> CensusState:
+    """At the boundary that closed iteration ``index``: a census is wanted when ``due``
+    (``scheduled``: the schedule has one in the iterations that end there); it is pending
+    (taken as the next iteration begins) when the account can pay for it, else it waits,
+    with the first claim on the account, for a boundary that can."""
     if due and not state.wanted:
-        state = replace(state, wanted=True)
-        if not affordable(state, account, tuning):
+        free = free_census(state, index, scheduled=scheduled, tuning=tuning)
+        state = replace(state, wanted=True, free=free)
+        if not affordable(state, account):
             state = replace(state, deferred=state.deferred + 1)
-    if state.wanted and state.pending is None and affordable(state, account, tuning):
-        state = replace(state, pending=index, wanted=False)
+    if state.wanted and state.pending is None and affordable(state, account):
+        state = replace(state, pending=index, wanted=False, free=False)
     return state
 
 

@@ -348,6 +348,12 @@ class Recorder:
         self._clock.started += self._boundaries.census_at_call()
         self._raise_pending()
 
+    def settles_at(self, iteration: int | None) -> None:
+        """The alarm found a leak it has not said yet, which a census at ``iteration`` or
+        later would confirm (``None``: none): the first due then is taken whatever the
+        budget holds."""
+        self._censuses.settles = iteration
+
     def _census_taken(self) -> None:
         if self.listener is not None:
             self.listener("census")

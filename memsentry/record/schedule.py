@@ -43,6 +43,10 @@ class CensusSchedule:
         self.ledger = ledger if ledger is not None else Budget(None)
         self.clock = self.ledger.clock
         self.wanted = False  # a census is due and waits for the ledger to afford it
+        self.free = False  # the one wanted is taken whatever the account holds
+        # The iteration from which a census would confirm a leak found but not yet said (set
+        # by the alarm after each census): the first then is taken whatever it costs.
+        self.settles: int | None = None
         self.last_cost = self.ledger.tuning.census_guess  # what the last census took (seconds)
         self.on_taken: Callable[[], None] | None = None  # called after each census
         self._sampler = sampler
@@ -181,19 +185,22 @@ class CensusSchedule:
                                      carried=origin))
         return True
 
-    def plan(self, index: int, *, due: bool) -> None:
+    def plan(self, index: int, *, due: bool, scheduled: bool = False) -> None:
         """At the boundary that closed iteration ``index``: a census is wanted when ``due``
-        (the schedule, or growth asking for one); the policy says whether it is taken as the
-        next iteration begins or waits, with the first claim on the account, for a boundary
-        that can pay for it (:func:`~memsentry.record.policy.census_step`)."""
+        (``scheduled``: the schedule has one; else growth asks for one); the policy says
+        whether it is taken as the next iteration begins or waits, with the first claim on
+        the account, for a boundary that can pay for it
+        (:func:`~memsentry.record.policy.census_step`)."""
         if not due and not self.wanted:  # census_step would leave every field as it is
             return
         state = census_step(
-            CensusState(wanted=self.wanted, pending=self.pending, taken=len(self.censuses),
-                        deferred=self.ledger.deferred, last_cost=self.last_cost),
-            self.ledger.account(), index=index, due=due, tuning=self.ledger.tuning)
-        self.wanted, self.pending, self.ledger.deferred = state.wanted, state.pending, \
-            state.deferred
+            CensusState(wanted=self.wanted, pending=self.pending, free=self.free,
+                        deferred=self.ledger.deferred, last_cost=self.last_cost,
+                        settles=self.settles),
+            self.ledger.account(), index=index, due=due, scheduled=scheduled,
+            tuning=self.ledger.tuning)
+        self.wanted, self.pending, self.free = state.wanted, state.pending, state.free
+        self.ledger.deferred = state.deferred
         self.ledger.reserved = state.reserved
         if due and self.wanted and self.pending is None and self._basis is not None:
             # The account cannot pay for it, but the last one may still stand: that is seen
@@ -277,7 +284,7 @@ class CensusSchedule:
         self.censuses = [c for c in self.censuses if c.iteration < iteration]
         self.pending = None
         self._basis, self._probe = None, False
-        self.wanted = False
+        self.wanted = self.free = False
         self.ledger.reserved = 0.0
 
     def budget_notes(self) -> list[str]:

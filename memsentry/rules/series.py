@@ -265,6 +265,20 @@ def trend(censuses: Sequence[Census], row: Sequence[T | None],
     )
 
 
+def growing_since(report: ReportData, path: tuple[Step, ...]) -> int | None:
+    """The iteration of the first census of the holder's latest window (see :class:`Trend`):
+    what it keeps has not fallen at any census since. ``None`` when no census saw it."""
+    censuses, table = holder_series(report)
+    row = table.get(path)
+    if row is None:
+        return None
+    kept = trend(censuses, row, held_count)
+    if not kept.values:
+        return None
+    first, _last = kept.windows()[-1]
+    return kept.iterations[first]
+
+
 def reaches_back(censuses: Sequence[Census], row: Sequence[HolderStats | None]) -> bool:
     """Whether the holder's graph grows with what outlived a census: the nodes it kept from
     before the census before (``graph_kept``) climb, as a sum carried from step to step
