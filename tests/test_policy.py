@@ -259,6 +259,26 @@ def test_a_census_growth_asks_for_takes_none_of_the_first_seven() -> None:
     assert (scheduled.pending, scheduled.wanted) == (34, False)
     later = census_step(CensusState(last_cost=0.03), broke, index=66, due=True, scheduled=True)
     assert (later.pending, later.wanted) == (None, True)
+    # The one growth asked for still waits when the schedule's of 34 falls due: it is taken
+    # then, whatever the account holds (it was not, and a short run's verdict lacked it).
+    waiting = census_step(asked, broke, index=30, due=False)
+    assert (waiting.pending, waiting.wanted) == (None, True)
+    behind = census_step(waiting, broke, index=34, due=True, scheduled=True)
+    assert (behind.pending, behind.wanted, behind.free, behind.deferred) == (34, False, False, 1)
+
+
+def test_the_census_that_would_confirm_a_leak_is_taken_whatever_the_account_holds() -> None:
+    # The alarm found a leak at 34 that held from 6: a census at 48 or later would confirm it.
+    broke = Account(share=0.01, loop=1.0, spent=0.5)
+    settling = CensusState(last_cost=0.03, settles=48)
+    early = census_step(settling, broke, index=40, due=True)  # growth asks, before 48: waits
+    assert (early.pending, early.wanted) == (None, True)
+    assert census_step(early, broke, index=47, due=False).pending is None
+    assert census_step(early, broke, index=48, due=False).pending == 48  # now it settles
+    due = census_step(settling, broke, index=66, due=True, scheduled=True)
+    assert (due.pending, due.deferred) == (66, 0)
+    assert census_step(CensusState(last_cost=0.03), broke, index=66, due=True,
+                       scheduled=True).pending is None  # nothing to confirm: it waits
 
 
 def test_later_censuses_wait_for_the_account_with_the_first_claim_on_it() -> None:

@@ -428,12 +428,15 @@ def census_step(state: CensusState, account: Account, *, index: int, due: bool,
                 scheduled: bool = False, tuning: Tuning = DEFAULT) -> CensusState:
     """At the boundary that closed iteration ``index``: a census is wanted when ``due``
     (``scheduled``: the schedule has one in the iterations that end there); it is pending
-    (taken as the next iteration begins) when the account can pay for it, else it waits,
-    with the first claim on the account, for a boundary that can."""
-    if due and not state.wanted:
-        free = free_census(state, index, scheduled=scheduled, tuning=tuning)
-        state = replace(state, wanted=True, free=free)
-        if not affordable(state, account):
+    (taken as the next iteration begins) when the account can pay for it or it is free
+    (:func:`free_census`), else it waits, with the first claim on the account, for a
+    boundary that can. One that waits (growth asked for it) becomes free when the schedule's
+    census falls due behind it, or when it would confirm a leak."""
+    if due or state.wanted:  # one waiting becomes free when the schedule's is, or it settles
+        waiting = state.wanted
+        state = replace(state, wanted=True, free=state.free or free_census(
+            state, index, scheduled=scheduled, tuning=tuning))
+        if not waiting and not affordable(state, account):
             state = replace(state, deferred=state.deferred + 1)
     if state.wanted and state.pending is None and affordable(state, account):
         state = replace(state, pending=index, wanted=False, free=False)
