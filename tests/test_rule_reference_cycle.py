@@ -1,6 +1,7 @@
 """``reference-cycle`` on reports built by hand: tensors found among the unreachable objects
 of the censuses' collections, at two censuses at least, are owned by reference cycles: waste
-while the garbage collector runs, a leak when it is disabled."""
+while the garbage collector runs or `gc.collect()` calls free them, a leak when it is disabled
+and nothing does."""
 
 from __future__ import annotations
 
@@ -41,6 +42,37 @@ def test_cycles_with_the_collector_disabled_are_a_leak() -> None:
     (finding,) = _cycles(cycle, cycle)
     assert finding.severity is Severity.LEAK
     assert "the garbage collector is disabled, so nothing frees them" in finding.message
+    assert ("with gc disabled, call `gc.collect()` every few iterations: each call frees the "
+            "cycles made since the one before, so they no longer pile up, but memory still "
+            "rises between calls (waste, not a leak) until the cycle is broken") in finding.fix
+
+
+def test_cycles_freed_by_gc_collect_calls_with_the_collector_disabled_are_waste() -> None:
+    """``gc.disable()`` and ``gc.collect()`` every few steps, as the leak's fix says: the
+    calls free the cycles since the census before (2 MiB), so they wait for the next call,
+    and the fix no longer asks for the calls."""
+    before = garbage(tensors=2, bytes=MiB, types=NODES, gc_enabled=False)
+    collected = garbage(tensors=2, bytes=MiB, types=NODES, gc_enabled=False,
+                        full_freed=2 * MiB)
+    (finding,) = _cycles(before, collected)
+    assert finding.severity is Severity.WASTE
+    assert finding.message.endswith(
+        "; `gc.collect()` calls freed 2.0 MiB meanwhile: the garbage collector is disabled, "
+        "so only those calls free them: memory rises until the next one, then drops "
+        "(a sawtooth)")
+    assert "gc.collect()" not in finding.fix
+    assert finding.fix.startswith("break the cycle: give back-references as `weakref.ref`")
+
+
+def test_cycles_no_call_freed_since_the_census_before_are_a_leak_again() -> None:
+    """One ``gc.collect()`` early on, none since: nothing frees the cycles now."""
+    collected = garbage(tensors=2, bytes=MiB, types=NODES, gc_enabled=False,
+                        full_freed=2 * MiB)
+    since = garbage(tensors=2, bytes=MiB, types=NODES, gc_enabled=False)
+    (finding,) = _cycles(collected, since)
+    assert finding.severity is Severity.LEAK
+    assert ("the garbage collector is disabled, and no `gc.collect()` call freed them since "
+            "the census before, so nothing frees them now") in finding.message
     assert "with gc disabled, call `gc.collect()` every few iterations" in finding.fix
 
 

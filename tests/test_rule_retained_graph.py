@@ -7,6 +7,7 @@ because the holder gains tensors is tensor-accumulation's, not this rule's."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from builders import (
@@ -23,7 +24,7 @@ from builders import (
 
 from memsentry.model import Census, Finding, HolderKind, HolderStats, Severity, SubjectKind
 from memsentry.rules.retained import PINNED_MIN_BYTES
-from memsentry.usercode.feeds import Feed
+from memsentry.usercode.feeds import Feed, rewritten
 
 RULE = "retained-graph"
 AT = [2, 4, 6, 8]
@@ -97,6 +98,26 @@ def test_the_number_fix_follows_how_the_line_adds_the_tensor() -> None:
                                "`ema = 0.9 * ema + 0.1 * loss.item()`")
     assert "add `x.item()` to `epoch_loss` where it adds a tensor `x`" in fixes[1]
     assert "`epoch_loss += (a + b).item()`" in fixes[2]
+
+
+def test_a_line_that_already_adds_a_number_or_a_detached_tensor_is_not_quoted() -> None:
+    """The line found adds ``loss.item()`` (the tensor is added on another branch): the fix
+    says where to look, not ``loss.item().item()``."""
+    for added in ("loss.item()", "loss.detach()", "float(loss)"):
+        (finding,) = check(RULE, report(censuses=censuses(AT, _summed_loss(added=added))))
+        assert finding.fix == ("accumulate a number, not the tensor: add `x.item()` to "
+                               "`epoch_loss` where it adds a tensor `x` (or `x.detach()`)")
+
+
+def test_a_running_average_that_already_folds_in_a_number_is_not_rewritten(
+        tmp_path: Path) -> None:
+    """Of two lines folding the loss into ``ema``, the one that folds in ``loss.item()`` has
+    no tensor to make a number; the other is rewritten."""
+    source = tmp_path / "train.py"
+    source.write_text("ema = 0.9 * ema + 0.1 * loss.item()\nema = 0.9 * ema + 0.1 * loss\n",
+                      encoding="utf-8")
+    assert rewritten(str(source), 1, "ema") is None
+    assert rewritten(str(source), 2, "ema") == "ema = 0.9 * ema + 0.1 * loss.item()"
 
 
 def test_an_attribute_that_pins_one_graph_is_waste_not_a_leak() -> None:

@@ -33,9 +33,10 @@ def exception_frames(report: ReportData) -> list[Finding]:
             f"{plural(holder.tensors, 'tensor')} ({format_bytes(holder.bytes)}) of the failed "
             "call's locals"
         )
+        name = owner.path[-1].name
         fix = (
-            f"keep what you need from the error, not the error: `str({owner.path[-1].name})`"
-            ", or drop its frames with `traceback.clear_frames(error.__traceback__)`; after an "
+            f"keep what you need from the error, not the error: `str({name})`, or drop its "
+            f"frames with `traceback.clear_frames({name}.__traceback__)`; after an "
             "out-of-memory error, retry outside the `except` block"
         )
         findings.append(

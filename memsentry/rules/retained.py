@@ -32,6 +32,7 @@ from memsentry.rules.series import (
     trend,
 )
 from memsentry.units import format_bytes
+from memsentry.usercode.feeds import graph_free
 
 RETAINED_GRAPH = "retained-graph"
 
@@ -168,14 +169,17 @@ def _growing_fix(last: HolderStats) -> str:
     )
 
 
+def _parsed(expression: str) -> ast.expr | None:
+    try:
+        return ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        return None
+
+
 def _item(expression: str) -> str:
     """``expression.item()``, parenthesised unless it is a name, attribute, call or
     subscript."""
-    try:
-        node = ast.parse(expression, mode="eval").body
-    except SyntaxError:
-        node = None
-    plain = isinstance(node, ast.Name | ast.Attribute | ast.Call | ast.Subscript)
+    plain = isinstance(_parsed(expression), ast.Name | ast.Attribute | ast.Call | ast.Subscript)
     return f"{expression}.item()" if plain else f"({expression}).item()"
 
 
@@ -193,13 +197,23 @@ def _number_fix(last: HolderStats) -> str:
     if last.rewrite is not None:
         return (f"accumulate a number, not the tensor: `{last.rewrite}` (or `.detach()` the "
                 "tensor)")
-    if last.added is None:
+    added = last.added
+    if added is None or _adds_no_graph(added):
+        # No line found, or the one found already adds a number (`total += loss.item()`
+        # beside a `total += loss` on another branch): not the line to quote.
         return (f"accumulate a number, not the tensor: add `x.item()` to `{base_name(last)}` "
                 "where it adds a tensor `x` (or `x.detach()`)")
     return (
-        f"accumulate a number, not the tensor: `{base_name(last)} += {_item(last.added)}` "
-        f"(or `{last.added}.detach()`)"
+        f"accumulate a number, not the tensor: `{base_name(last)} += {_item(added)}` "
+        f"(or `{added}.detach()`)"
     )
+
+
+def _adds_no_graph(expression: str) -> bool:
+    """Whether ``expression`` is already a number or a detached tensor (``loss.item()``), or
+    cannot be read."""
+    node = _parsed(expression)
+    return node is None or graph_free(node)
 
 
 def _is_attribute(holder: HolderStats) -> bool:

@@ -85,8 +85,8 @@ def _rewritten(path: str, mtime: float | None, line: int, name: str) -> str | No
         if isinstance(node, ast.Assign) and line == node.end_lineno \
                 and any(spells(t, name) for t in node.targets):
             others = _other_values(node.value, name)
-            if others is None or len(others) != 1:
-                return None
+            if others is None or len(others) != 1 or graph_free(others[0]):
+                return None  # none, several, or already a number: no one tensor to rewrite
             statement = _segment(path, node)
             term = _segment(path, others[0])
             if statement is None or term is None:
@@ -95,6 +95,24 @@ def _rewritten(path: str, mtime: float | None, line: int, name: str) -> str | No
             end = start + len(term)
             return statement[:start] + term + ".item()" + statement[end:]
     return None
+
+
+#: Methods whose result carries no autograd graph (a number, a list, a detached tensor).
+_GRAPH_FREE_METHODS = frozenset({"item", "tolist", "detach"})
+#: Functions whose result is a Python number.
+_NUMBER_FUNCTIONS = frozenset({"float", "int"})
+
+
+def graph_free(node: ast.AST) -> bool:
+    """Whether ``node`` already gives a value without a graph: ``loss.item()``,
+    ``loss.detach()``, ``float(loss)``. A line that adds one is not the line that adds the
+    tensor and its graph (that one is elsewhere, on another branch)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return func.attr in _GRAPH_FREE_METHODS
+    return isinstance(func, ast.Name) and func.id in _NUMBER_FUNCTIONS
 
 
 def _other_values(value: ast.AST, name: str) -> list[ast.expr] | None:
@@ -194,4 +212,4 @@ def _feed(path: str, call: ast.Call) -> Feed | None:
     return None
 
 
-__all__ = ["Feed", "added_value", "feeding_call"]
+__all__ = ["Feed", "added_value", "feeding_call", "graph_free"]
