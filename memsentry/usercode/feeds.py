@@ -84,17 +84,23 @@ def _rewritten(path: str, mtime: float | None, line: int, name: str) -> str | No
     for node in nodes_by_line(path, mtime).get(line, ()):
         if isinstance(node, ast.Assign) and line == node.end_lineno \
                 and any(spells(t, name) for t in node.targets):
-            others = _other_values(node.value, name)
-            if others is None or len(others) != 1 or graph_free(others[0]):
-                return None  # none, several, or already a number: no one tensor to rewrite
-            statement = _segment(path, node)
-            term = _segment(path, others[0])
-            if statement is None or term is None:
-                return None
-            start = others[0].col_offset - node.col_offset
-            end = start + len(term)
-            return statement[:start] + term + ".item()" + statement[end:]
+            return _with_item(path, node, name)
     return None
+
+
+def _with_item(path: str, node: ast.Assign, name: str) -> str | None:
+    """The assignment ``node`` with the one tensor it folds into ``name`` made a number;
+    ``None`` when it folds none, several, or one that is a number already."""
+    others = _other_values(node.value, name)
+    if others is None or len(others) != 1 or graph_free(others[0]):
+        return None
+    statement = _segment(path, node)
+    term = _segment(path, others[0])
+    if statement is None or term is None:
+        return None
+    start = others[0].col_offset - node.col_offset
+    end = start + len(term)
+    return statement[:start] + term + ".item()" + statement[end:]
 
 
 #: Methods whose result carries no autograd graph (a number, a list, a detached tensor).
