@@ -47,11 +47,18 @@ class Loop:
                 self.opt.zero_grad()
                 loss.backward()
                 self.opt.step()
+                self.evaluate()
             leak_warnings = [w for w in caught if issubclass(w.category, memsentry.LeakWarning)]
             if leak_warnings:
                 self.warned_at.append(self.iteration)
                 assert leak_warnings[0].filename == __file__  # the user's line
-            self.kept.append(loss if self.leaky else loss.item())
+            self.keep(loss)
+
+    def evaluate(self) -> None:
+        """What the step does after the optimizer's (nothing here)."""
+
+    def keep(self, loss: torch.Tensor) -> None:
+        self.kept.append(loss if self.leaky else loss.item())
 
 
 def test_a_leak_is_warned_about_while_the_loop_runs() -> None:
@@ -166,23 +173,17 @@ def test_watch_finds_the_leak_and_keeps_to_one_percent() -> None:
 
 class Evaluating(Loop):
     """Training that keeps every fifth step's evaluation outputs with their graphs: the list
-    gains one every 5 iterations. Its newest output is ``out``'s too, so the censuses of 2 to
-    4 see ``out`` alone, those of 6 and 10 one more in the list, and the rule finds the list
-    only at 34, once it rose at two censuses."""
+    gains one every 5 iterations. Its newest output is ``self.out`` too, so the censuses of 2
+    to 4 see ``self.out`` alone, those of 6 and 10 one more in the list, and the rule finds
+    the list only at 34, once it rose at two censuses."""
 
-    def run(self, steps: int) -> None:
-        for self.iteration in range(steps):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                loss = self.model(torch.randn(8, 16)).pow(2).mean()
-                self.opt.zero_grad()
-                loss.backward()
-                self.opt.step()
-                if self.iteration % 5 == 0:
-                    out = self.model(torch.randn(8, 16))
-                    self.kept.append(out)
-            if any(issubclass(w.category, memsentry.LeakWarning) for w in caught):
-                self.warned_at.append(self.iteration)
+    def evaluate(self) -> None:
+        if self.iteration % 5 == 0:
+            self.out = self.model(torch.randn(8, 16))
+            self.kept.append(self.out)
+
+    def keep(self, loss: torch.Tensor) -> None:
+        """The training loss is not kept."""
 
 
 @pytest.mark.parametrize("mode", ["track", "watch", "watch, no budget left"])
