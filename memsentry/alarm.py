@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from memsentry.errors import LeakError, LeakWarning
 from memsentry.model import Finding, ReportData, Severity
 from memsentry.paths import replace_text
-from memsentry.rules.series import growing_since
+from memsentry.rules.series import HolderSeries, growing_since, holder_series
 from memsentry.usercode.frames import is_machinery_frame
 from memsentry.usercode.text import printable
 
@@ -87,15 +87,15 @@ def finding_key(finding: Finding) -> tuple[str, str]:
     return finding.rule, "" if subject is None else repr(subject)
 
 
-def held_from(report: ReportData, finding: Finding, found: int) -> int:
+def held_from(series: HolderSeries, finding: Finding, found: int) -> int:
     """The iteration from which ``finding`` held, for :data:`CONFIRM`: the census at which
     the rule ``found`` it, or for a holder the one from which what it keeps has not fallen
-    (:func:`~memsentry.rules.series.growing_since`), if earlier, but not before
-    :data:`SEEN_FROM`."""
+    (:func:`~memsentry.rules.series.growing_since`, on the report's ``series``), if
+    earlier, but not before :data:`SEEN_FROM`."""
     subject = finding.subject
-    if subject is None or subject.path is None:
-        return found
-    since = growing_since(report, subject.path)
+    censuses, table = series
+    row = None if subject is None or subject.path is None else table.get(subject.path)
+    since = None if row is None else growing_since(censuses, row)
     return found if since is None else min(found, max(SEEN_FROM, since))
 
 
@@ -236,22 +236,26 @@ class LiveAlarm:
         or a deque of 12, grows like a leak until it is full, and is seen full by then."""
         now = report.censuses[-1].iteration if report.censuses else 0
         leaks = [f for f in report.findings if f.severity is Severity.LEAK]
-        keys = {finding_key(f) for f in leaks}
-        for key in list(self._since):
-            if key not in keys:  # no longer judged a leak: it starts again if it comes back
-                del self._since[key]
+        self._forget_all_but({finding_key(f) for f in leaks})
         found, waiting = [], []
+        series: HolderSeries = holder_series(report) if leaks else ([], {})  # once for all
         for finding in leaks:
             key = finding_key(finding)
             if key in self.said:
                 continue
-            since = held_from(report, finding, self._since.setdefault(key, max(now, 1)))
+            since = held_from(series, finding, self._since.setdefault(key, max(now, 1)))
             if now >= CONFIRM * since:
                 found.append(finding)
             else:
                 waiting.append(CONFIRM * since)
         self.settles = min(waiting, default=None)
         return tuple(found)
+
+    def _forget_all_but(self, keys: set[tuple[str, str]]) -> None:
+        """A leak no longer judged one starts again if it comes back."""
+        for key in list(self._since):
+            if key not in keys:
+                del self._since[key]
 
     def rewrite_due(self) -> bool:
         return self.report_path is not None \

@@ -20,6 +20,7 @@ from torch import nn
 import memsentry
 from memsentry.alarm import SEEN_FROM, held_from
 from memsentry.model import Finding, Severity, Subject
+from memsentry.rules.series import holder_series
 
 
 def make_model() -> nn.Sequential:
@@ -217,18 +218,19 @@ def test_a_holder_held_from_the_census_that_first_saw_it_never_before_the_third(
             "steady": holder_states("steady", tensors=[1, 1, 1, 2, 2, 4, 7]),
             "flushed": holder_states("flushed", tensors=[4, 5, 6, 8, 12, 2, 4])}
     built = report(iterations=iterations([1000] * 35), censuses=censuses(at, *rows.values()))
+    series = holder_series(built)
 
     def leak(name: str) -> Finding:
         return Finding("tensor-accumulation", Severity.LEAK, "grows", "trim it",
                        subject=Subject.holder(path(name)))
 
-    assert held_from(built, leak("outputs"), 34) == 6
-    assert held_from(built, leak("steady"), 34) == SEEN_FROM == 4
-    assert held_from(built, leak("steady"), 3) == 3  # found earlier still: from then
-    assert held_from(built, leak("flushed"), 34) == 18  # it fell at 18: from there
-    assert held_from(built, leak("absent"), 34) == 34  # no census saw it: as found
+    assert held_from(series, leak("outputs"), 34) == 6
+    assert held_from(series, leak("steady"), 34) == SEEN_FROM == 4
+    assert held_from(series, leak("steady"), 3) == 3  # found earlier still: from then
+    assert held_from(series, leak("flushed"), 34) == 18  # it fell at 18: from there
+    assert held_from(series, leak("absent"), 34) == 34  # no census saw it: as found
     loop_wide = Finding("memory-growth", Severity.LEAK, "grows", "look", bytes=1)
-    assert held_from(built, loop_wide, 34) == 34
+    assert held_from(series, loop_wide, 34) == 34
 
 
 SCRIPT = """

@@ -235,8 +235,11 @@ def series(censuses: Sequence[Census], items: Callable[[Census], Sequence[T]],
     return table
 
 
-def holder_series(report: ReportData, *, graphs: bool = False
-                  ) -> tuple[list[Census], dict[tuple[Step, ...], list[HolderStats | None]]]:
+#: The complete censuses, and each holder's entry (by path) at every one of them.
+HolderSeries = tuple[list[Census], dict[tuple[Step, ...], list[HolderStats | None]]]
+
+
+def holder_series(report: ReportData, *, graphs: bool = False) -> HolderSeries:
     """The complete censuses (``graphs``: with their graphs walked whole), and each holder's
     entry (by path) at every one of them."""
     censuses = complete_censuses(report, graphs=graphs)
@@ -265,13 +268,10 @@ def trend(censuses: Sequence[Census], row: Sequence[T | None],
     )
 
 
-def growing_since(report: ReportData, path: tuple[Step, ...]) -> int | None:
+def growing_since(censuses: Sequence[Census], row: Sequence[HolderStats | None]) -> int | None:
     """The iteration of the first census of the holder's latest window (see :class:`Trend`):
-    what it keeps has not fallen at any census since. ``None`` when no census saw it."""
-    censuses, table = holder_series(report)
-    row = table.get(path)
-    if row is None:
-        return None
+    what it keeps has not fallen at any census since. ``None`` when no census saw it.
+    ``censuses`` and ``row`` as :func:`holder_series` gives them."""
     kept = trend(censuses, row, held_count)
     if not kept.values:
         return None
